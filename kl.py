@@ -1,0 +1,78 @@
+"""KL regularization: the three estimators and where they go (paper sec. 3, Table 1).
+
+We regularize the sequence-level reverse KL(pi || pi_ref) with a sum of token-level estimates (eq. 5),
+computed from the log-probs of the sampled tokens under the policy (`logp`) and the reference (`ref_logp`):
+
+    K1_t = log pi/pi_ref                          (eq. 11, the "naive" estimator)
+    K2_t = 1/2 (log pi/pi_ref)^2                  (the squared log-ratio, for comparison)
+    K3_t = r - 1 - log r,   r = pi_ref/pi         (eq. 14, Schulman's estimator)
+
+An estimate can be placed in two spots (sec. 3.1), and that choice, not the estimator, decides which
+gradient you get:
+
+    place="reward": R_i - beta * sum_t sg[KL_t] is the return (eq. 7); score-function gradient (eq. 8)
+    place="loss":   beta * sum_t KL_t is added to the loss;  path-wise gradient (eq. 9)
+    place="both":   both of the above;                      score + path-wise = the full gradient (eq. 6, 29)
+    place="none":   no KL at all (beta = 0)
+
+On-policy, the expected gradient of the KL term is then (test_kl.py checks each line exactly):
+
+    k1 reward  E[K1 * grad log pi(y)]               = grad KL              unbiased    (eqs. 10, 12)
+    k1 loss    E[sum_t grad K1_t]                   = 0                    biased      (eq. 13)
+    k3 reward  grad KL + E[sum_t r_t grad log pi(y)]                       biased      (eqs. 15, 19)
+    k3 loss    sum_t E[grad KL(pi_ref(.|y<t) || pi(.|y<t))]  (token fwd KL) biased     (eqs. 16, 41)
+    k1/k3 both grad KL                                                     unbiased    (sec. 3.1, 4.3)
+
+Shapes: logp, ref_logp, mask are (B, T) per response token. `mask` is multiplied in everywhere, so a
+float mask weights tokens (0 on padding). `num_tokens` is the normalizer, the total number of response
+tokens in the whole batch (all micro-batches and ranks), the same one `advantage.policy_loss` uses.
+"""
+
+import torch
+
+KINDS = ("k1", "k2", "k3")
+PLACES = ("reward", "loss", "both", "none")
+
+
+def _check(kind, place):
+    if kind not in KINDS:
+        raise ValueError(f"unknown KL estimator {kind!r}: choose one of {', '.join(KINDS)}")
+    if place not in PLACES:
+        raise ValueError(f"unknown KL place {place!r}: choose one of {', '.join(PLACES)}")
+
+
+def estimate(logp, ref_logp, kind):
+    """Per-token KL estimate, shape (B, T), differentiable in `logp`."""
+    _check(kind, "none")
+    if kind == "k1":
+        # eq. 11: K1_t = log pi - log pi_ref
+        return logp - ref_logp
+    if kind == "k2":
+        # K2_t = 1/2 (log pi - log pi_ref)^2
+        return 0.5 * (logp - ref_logp) ** 2
+    # eq. 14: K3_t = r - 1 - log r, written as expm1(log r) - log r: exact when r ~ 1, and >= 0
+    log_r = ref_logp - logp
+    return torch.expm1(log_r) - log_r
+
+
+def shape_rewards(scores, logp, ref_logp, mask, kind, place, beta):
+    """Sequence returns (B,): R - beta * sum_t sg[KL_t] for place reward/both (eq. 7), else R.
+
+    The result is detached: the KL reaches the policy only through the advantage (eq. 8).
+    """
+    _check(kind, place)
+    if place not in ("reward", "both"):
+        return scores.detach()
+    kl = estimate(logp.detach(), ref_logp.detach(), kind)
+    # eq. 7: R - beta * sum_t sg[KL_t]
+    return (scores - beta * (mask * kl).sum(-1)).detach()
+
+
+def kl_loss(logp, ref_logp, mask, kind, place, beta, num_tokens):
+    """Scalar KL loss: beta * sum_{i,t} mask * KL_t / num_tokens for place loss/both (eq. 9), else 0."""
+    _check(kind, place)
+    if place not in ("loss", "both"):
+        return logp.new_zeros(())
+    kl = estimate(logp, ref_logp.detach(), kind)
+    # eq. 9: the path-wise term, beta * sum_t grad KL_t, token-normalized like the policy loss
+    return beta * (mask * kl).sum() / num_tokens

@@ -1,0 +1,214 @@
+"""The paper's toy model (sec. 3.3, appendix C), run through the real kl.py and advantage.py.
+
+Binary sequences y_1..y_T from p_t = sigmoid(a + b c_{t-1}), c_{t-1} = y_1 + ... + y_{t-1} (eqs. 17-18).
+
+1. Figure 1: the squared bias and the variance of the Monte-Carlo gradient of the KL term (R = 0,
+   beta = 1, no baseline), for each configuration (estimator x place), against the exact gradient of
+   KL(A || B), over the length T: `trials` trials of N = `samples` sequences drawn from A.
+2. Convergence: a tabular policy (one logit per prefix, so the optimum pi* ~ pi_ref exp(R / beta) is
+   reachable) climbs E[R] - beta KL(pi || pi_ref) with each configuration's *exact expected* gradient,
+   summing over all 2^T sequences. Where it lands is Table 1's "Behavior" column.
+
+    python toy.py --out DIR      # figure1.{json,png}, converge.{json,png} and two tables; ~1.5 min on 2 cores
+"""
+
+import argparse
+import json
+import pathlib
+
+import torch
+import torch.nn.functional as F
+
+from advantage import policy_loss
+from kl import kl_loss, shape_rewards
+
+parser = argparse.ArgumentParser(description="The paper's toy model: Fig. 1 and where each KL configuration converges.")
+parser.add_argument("--out", required=True, help="directory for figure1.json/.png and converge.json/.png")
+parser.add_argument("--trials", type=int, default=200, help="Monte-Carlo trials per point of Fig. 1")
+parser.add_argument("--samples", type=int, default=1000, help="sequences per trial (N in sec. 3.3)")
+parser.add_argument("--seed", type=int, default=0, help="random seed of the Monte-Carlo samples")
+parser.add_argument("--fast", action="store_true", help="a short run for the tests: T <= 8, fewer steps")
+
+CONFIGS = {"k1_reward": ("k1", "reward"), "k1_loss": ("k1", "loss"), "k3_reward": ("k3", "reward"),
+           "k3_loss": ("k3", "loss"), "k1_both": ("k1", "both"), "k3_both": ("k3", "both"), "k2_loss": ("k2", "loss")}
+THETA, REF = (0.5, -0.2), (0.0, -0.3)  # (a, b) of the policy A, (a~, b~) of the reference B
+BETA, LR = 0.2, 8.0  # KL coefficient and step size of the convergence study
+f64 = torch.float64  # everything in double precision
+
+
+def bernoulli_logp(logits, y):
+    """log p(y_t | y_<t) per token, for binary tokens with P(y_t = 1 | y_<t) = sigmoid(logits)."""
+    return y * F.logsigmoid(logits) + (1 - y) * F.logsigmoid(-logits)
+
+
+def toy_logits(a, b, y):
+    # eq. 17: p_t = sigmoid(a + b c_{t-1}),  c_{t-1} = sum_{k<t} y_k
+    return a + b * (y.cumsum(-1) - y)
+
+
+def sample(a, b, shape, T, generator):
+    y, c = torch.zeros(*shape, T, dtype=f64), torch.zeros(shape, dtype=f64)
+    for t in range(T):
+        y[..., t] = torch.bernoulli(torch.sigmoid(a + b * c), generator=generator)  # eq. 17
+        c += y[..., t]
+    return y
+
+
+def exact_kl(a, b, T):
+    """KL(A || B) exactly (eq. 20), by dynamic programming over c_{t-1}; differentiable in (a, b)."""
+    c = torch.arange(T + 1, dtype=f64)
+    prob_c, kl = (c == 0).double(), 0.0  # P(c_{t-1} = c), starting from c_0 = 0
+    for _ in range(T):
+        z, z_ref = a + b * c, REF[0] + REF[1] * c
+        # chain rule: KL(A || B) = sum_t E_{c_{t-1} ~ A}[ KL(Bern(p_t^A) || Bern(p_t^B)) ]
+        p = torch.sigmoid(z)
+        kl_t = p * (F.logsigmoid(z) - F.logsigmoid(z_ref)) + (1 - p) * (F.logsigmoid(-z) - F.logsigmoid(-z_ref))
+        kl = kl + (prob_c * kl_t).sum()
+        prob_c = prob_c * (1 - p) + F.pad(prob_c * p, (1, 0))[:-1]
+    return kl
+
+
+def training_loss(logp, ref_logp, scores, kind, place, beta, weight, num_tokens):
+    """What train.py minimizes, on-policy: PPO-clip on KL-shaped returns (eq. 7) + the KL loss (eq. 9).
+
+    `weight` (B, 1) scales each sequence through the mask: 1 for samples, pi(y) for an exact expectation.
+    """
+    mask = torch.ones_like(logp)
+    returns = shape_rewards(scores, logp, ref_logp, mask, kind, place, beta)
+    pg_loss, _ = policy_loss(logp, logp.detach(), returns, weight * mask, num_tokens)
+    return pg_loss + kl_loss(logp, ref_logp, weight * mask, kind, place, beta, num_tokens)
+
+
+def figure1(lengths, trials, samples, seed, chunk=50):
+    """Bias^2 and variance (summed over a, b) of the N-sample gradient of the KL term (beta = 1, R = 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    result = {"T": list(lengths), "configs": {name: {"bias2": [], "var": []} for name in CONFIGS}}
+    for T in lengths:
+        a, b = (torch.tensor(v, dtype=f64, requires_grad=True) for v in THETA)
+        exact = torch.stack(torch.autograd.grad(exact_kl(a, b, T), (a, b)))  # eq. 23
+        grads = {name: [] for name in CONFIGS}
+        for start in range(0, trials, chunk):  # one (a, b) per trial, so autograd gives per-trial gradients
+            n = min(chunk, trials - start)
+            a, b = (torch.full((n, 1, 1), v, dtype=f64, requires_grad=True) for v in THETA)
+            y = sample(*THETA, (n, samples), T, gen)
+            logp = bernoulli_logp(toy_logits(a, b, y), y).reshape(n * samples, T)
+            ref_logp = bernoulli_logp(toy_logits(*REF, y), y).reshape(n * samples, T)
+            no_reward = torch.zeros(n * samples, dtype=f64)
+            for name, (kind, place) in CONFIGS.items():
+                # the loss is the mean over the N sequences of each trial: num_tokens = N, beta = 1
+                loss = training_loss(logp, ref_logp, no_reward, kind, place, 1.0, 1.0, num_tokens=samples)
+                grad_a, grad_b = torch.autograd.grad(loss, (a, b), retain_graph=True)
+                grads[name].append(torch.cat([grad_a, grad_b], 1).reshape(n, 2))
+        for name in CONFIGS:
+            g = torch.cat(grads[name])
+            result["configs"][name]["bias2"].append(((g.mean(0) - exact) ** 2).sum().item())
+            result["configs"][name]["var"].append(g.var(0).sum().item())
+    return result
+
+
+def all_sequences(T):
+    """All 2^T binary sequences and, per token, the index of its prefix's logit (a binary tree, root 0)."""
+    y = ((torch.arange(2**T)[:, None] >> torch.arange(T - 1, -1, -1)) & 1).double()
+    node = torch.zeros(2**T, T, dtype=torch.long)
+    for t in range(1, T):
+        node[:, t] = 2 * node[:, t - 1] + 1 + y[:, t - 1].long()
+    return y, node
+
+
+def converge(T, steps, beta=BETA, lr=LR):
+    """Gradient descent on the tabular logits with each configuration's exact expected gradient."""
+    y, node = all_sequences(T)
+    ref_logits = torch.zeros(2**T - 1, dtype=f64)
+    ref_logits[node] = toy_logits(*REF, y)  # pi_ref is the toy reference B, written as a table
+    ref_logp = bernoulli_logp(ref_logits[node], y)
+    reward = (y.sum(-1) == T - 1).double()  # a sparse 0/1 "verifier": exactly T - 1 ones
+    # pi* = pi_ref exp(R / beta) / Z, and E_pi[R] - beta KL(pi || pi_ref) = beta log Z - beta KL(pi || pi*)
+    log_z = torch.logsumexp(ref_logp.sum(-1) + reward / beta, 0)
+    opt_logp = ref_logp.sum(-1) + reward / beta - log_z
+
+    def metrics(seq_logp):
+        pi = seq_logp.exp()
+        kl_ref, kl_opt = (pi * (seq_logp - ref_logp.sum(-1))).sum(), (pi * (seq_logp - opt_logp)).sum()
+        return {"expected_reward": (pi * reward).sum().item(), "kl_to_ref": kl_ref.item(),
+                "kl_to_optimum": kl_opt.item(), "objective": (pi * reward).sum().item() - beta * kl_ref.item()}
+
+    result, history = {"optimum": {**metrics(opt_logp), "beta": beta, "T": T}, "configs": {}}, {}
+    for name, (kind, place) in {**CONFIGS, "no_kl": ("k1", "none")}.items():
+        logits, history[name], diverged = ref_logits.clone().requires_grad_(), [], False
+        for step in range(steps + 1):
+            logp = bernoulli_logp(logits[node], y)
+            if step < 100 or step % 10 == 0:
+                history[name].append({"step": step, **metrics(logp.sum(-1).detach())})
+            weight = logp.sum(-1, keepdim=True).exp().detach()  # pi(y): the weighted sum is E_pi exactly
+            loss = training_loss(logp, ref_logp, reward, kind, place, beta, weight, num_tokens=1)
+            new_logits = logits - lr * torch.autograd.grad(loss, logits)[0]
+            # diverged: a logit ran off (a token probability below e^-50) or became inf/nan
+            if not new_logits.isfinite().all() or new_logits.abs().max() > 50:
+                diverged = True
+                break
+            logits = new_logits.detach().requires_grad_()
+        final = metrics(bernoulli_logp(logits[node], y).sum(-1).detach())
+        result["configs"][name] = {**final, "diverged": diverged}
+    return result, history
+
+
+def plot(fig1, conv, history, out):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    style = lambda name: dict(ls="--" if "both" in name else "-", color=f"C{list(history).index(name)}")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, key, title in zip(axes, ("bias2", "var"), ("squared bias of the gradient", "variance of the gradient")):
+        for name, stats in fig1["configs"].items():
+            ax.plot(fig1["T"], stats[key], marker="o", ms=3, label=name, **style(name))
+        ax.set(xscale="log", yscale="log", xlabel="sequence length T", title=title)
+        ax.set_xticks(fig1["T"], [str(t) for t in fig1["T"]])
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "figure1.png", dpi=90)
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name, rows in history.items():
+        kl, reward = [h["kl_to_ref"] for h in rows], [h["expected_reward"] for h in rows]
+        axes[0].plot(kl, reward, label=name, **style(name))
+        axes[0].plot(kl[-1], reward[-1], "x" if conv["configs"][name]["diverged"] else "o", color=style(name)["color"])
+        axes[1].plot([h["step"] for h in rows], [max(h["kl_to_optimum"], 1e-12) for h in rows], **style(name))
+    opt = conv["optimum"]
+    axes[0].plot(opt["kl_to_ref"], opt["expected_reward"], "k*", ms=12, label="optimum pi*")
+    title = f"paths from pi_ref, beta = {opt['beta']} (x: diverged)"
+    axes[0].set(xlabel="KL(pi || pi_ref)", ylabel="E[R]", title=title)
+    axes[1].set(xscale="symlog", yscale="log", xlabel="gradient step", ylabel="KL(pi || pi*)", title="distance to pi*")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "converge.png", dpi=90)
+
+
+def main(argv=None):
+    args = parser.parse_args(argv)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lengths, T, steps = ((1, 2, 4, 8), 4, 300) if args.fast else ((1, 2, 4, 8, 16, 32, 64), 6, 3000)
+    torch.set_num_threads(1)  # small tensors and a shared CPU: extra threads only add overhead
+
+    fig1 = figure1(lengths, args.trials, args.samples, args.seed)
+    print(f"Fig. 1: bias^2 | variance of the gradient of KL(A || B), {args.trials} trials of N = {args.samples}")
+    print(f"{'T =':>10}" + "".join(f"{t:>18} " for t in fig1["T"]))
+    for name, stats in fig1["configs"].items():
+        print(f"{name:>10}" + "".join(f"{b:>9.1e}|{v:<9.1e}" for b, v in zip(stats["bias2"], stats["var"])))
+
+    conv, history = converge(T, steps)
+    print(f"\nWhere each configuration lands: T = {T}, beta = {BETA}, {steps} steps of exact expected gradients")
+    print(f"{'':>10}{'E[R]':>10}{'KL(ref)':>10}{'KL(pi*)':>10}{'objective':>10}  diverged")
+    for name, row in {"optimum": {**conv["optimum"], "diverged": False}, **conv["configs"]}.items():
+        numbers = (row[k] for k in ("expected_reward", "kl_to_ref", "kl_to_optimum", "objective"))
+        print(f"{name:>10}" + "".join(f"{v:>10.4f}" for v in numbers) + f"  {row['diverged']}")
+
+    (out / "figure1.json").write_text(json.dumps(fig1, indent=1))
+    (out / "converge.json").write_text(json.dumps(conv, indent=1))
+    plot(fig1, conv, history, out)
+    return fig1, conv
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""Speed and memory of rollout.generate on SmolLM2-135M (CPU), against model.generate in the same process.
+
+Prints: useful tokens/s (response tokens up to and including EOS) for ours and for Hugging Face's
+generate, alternating A/B, same dtype, bf16 and fp32; the fraction of this CPU's bf16 matmul peak
+(measured in the same run) reached at batch 40; tokens/s at 1024 new tokens vs 64 (EOS off);
+peak memory vs weights + one KV cache (each in a fresh subprocess).
+"""
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--prompts", type=int, default=8, help="distinct MATH500 problems per batch")
+parser.add_argument("--samples", type=int, default=5, help="samples per prompt (G)")
+parser.add_argument("--max-new-tokens", type=int, default=512, help="response budget in the A/B runs")
+parser.add_argument("--rounds", type=int, default=2, help="A/B rounds per dtype (order alternates)")
+parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"], help="dtypes")
+parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+parser.add_argument("--short", type=int, default=64, help="new tokens of the short no-EOS run")
+parser.add_argument("--long", type=int, default=1024, help="new tokens of the long no-EOS run")
+parser.add_argument("--skip", nargs="*", default=[], choices=["ab", "length", "memory"], help="parts to skip")
+parser.add_argument("--memory-probe", nargs=2, metavar=("DTYPE", "TOKENS"), help=argparse.SUPPRESS)
+args = parser.parse_args()
+
+import torch  # noqa: E402  (after argparse so --help is instant)
+
+from model import load_model, load_tokenizer  # noqa: E402
+from rollout import generate  # noqa: E402
+
+if args.threads:
+    torch.set_num_threads(args.threads)
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DATA = Path(__file__).parent.parent / "shared" / "data" / "math500.jsonl"
+INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
+def math500_prompts(tokenizer, num):
+    if not DATA.is_file():
+        sys.exit(f"skipped: {DATA} not found (the benchmark uses real MATH500 prompts)")
+    prompts = []
+    for line in DATA.open().readlines()[:num]:
+        messages = [{"role": "user", "content": json.loads(line)["problem"] + INSTRUCTION}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return prompts
+
+
+def matmul_peak(dtype, size=2048, reps=5):
+    """Best-of-reps FLOP/s of one large square matmul: this CPU's roofline for `dtype`."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    best = float("inf")
+    for _ in range(reps + 1):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def decode_flops(model, mean_span):
+    """FLOPs to decode one token: 2 per weight of every matmul (lm_head included) + attention."""
+    config = model.config
+    matmul_weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n)
+    if model.config.tie_word_embeddings:
+        matmul_weights += model.lm_head.weight.numel()
+    head_dim = model.model.layers[0].self_attn.head_dim
+    # q.k and p.v: 2 * 2 * span * head_dim per head per layer
+    attention = 4 * mean_span * head_dim * config.num_attention_heads * config.num_hidden_layers
+    return 2 * matmul_weights + attention
+
+
+def useful_lengths(responses, eos, max_new_tokens):
+    """Response length up to and including the first EOS (HF pads finished rows after it)."""
+    lengths = []
+    for row in responses:
+        hits = (row == eos).nonzero()
+        lengths.append(int(hits[0]) + 1 if len(hits) else max_new_tokens)
+    return lengths
+
+
+def run_ours(model, batch, eos, max_new_tokens, seed):
+    start = time.perf_counter()
+    out = generate(model, batch, max_new_tokens, temperature=1.0, eos_token_id=eos,
+                   generator=torch.Generator().manual_seed(seed))
+    return time.perf_counter() - start, out.response_mask.sum(1).long().tolist()
+
+
+def run_hf(model, batch, eos, pad, max_new_tokens, seed):
+    width = max(len(p) for p in batch)  # left padding, as generate() wants for decoder-only models
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=1.0,
+                         top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+    elapsed = time.perf_counter() - start
+    return elapsed, useful_lengths(out[:, width:], eos, max_new_tokens)
+
+
+def memory_probe(dtype_name, max_new_tokens):
+    """Fresh process: peak RSS while generating minus RSS before, vs the KV cache's size (MiB)."""
+    model = load_model("smollm2-135m", dtype=DTYPES[dtype_name])
+    tokenizer = load_tokenizer("smollm2-135m")
+    batch = [p for p in math500_prompts(tokenizer, args.prompts) for _ in range(args.samples)]
+    generate(model, [[1, 2, 3]], 2)  # load kernels once
+    status = lambda key: next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key))  # noqa
+    open("/proc/self/clear_refs", "w").write("5")  # reset the peak-RSS counter (VmHWM) to now
+    before = status("VmRSS:")
+    generate(model, batch, max_new_tokens, eos_token_id=None, generator=torch.Generator().manual_seed(0))
+    peak = status("VmHWM:")
+    config, element = model.config, DTYPES[dtype_name].itemsize
+    cache = (2 * config.num_hidden_layers * len(batch) * (max(map(len, batch)) + max_new_tokens)
+             * config.num_key_value_heads * model.model.layers[0].self_attn.head_dim * element)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(json.dumps(dict(before=before / 1024, extra=(peak - before) / 1024, cache=cache / 2**20,
+                          weights=weights / 2**20)))
+
+
+if args.memory_probe:
+    memory_probe(args.memory_probe[0], int(args.memory_probe[1]))
+    sys.exit()
+
+tokenizer = load_tokenizer("smollm2-135m")
+eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+prompts = math500_prompts(tokenizer, args.prompts)
+batch = [p for p in prompts for _ in range(args.samples)]  # each prompt G times, consecutively
+print(f"SmolLM2-135M-Instruct, {args.prompts} MATH500 prompts x {args.samples} samples = batch {len(batch)}, "
+      f"prompt lengths {min(map(len, prompts))}-{max(map(len, prompts))}, threads {torch.get_num_threads()}")
+with open("/proc/loadavg") as f:
+    print(f"load average at start: {f.read().split()[:3]}")
+peak = {name: matmul_peak(dtype) for name, dtype in DTYPES.items()}
+print(f"matmul peak (2048^3): bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s, fp32 {peak['fp32'] / 1e9:.0f} GFLOP/s")
+
+if "ab" not in args.skip:
+    print(f"\nA/B, temperature 1, EOS on, max_new_tokens {args.max_new_tokens}")
+    for name in args.dtypes:
+        model = load_model("smollm2-135m", dtype=DTYPES[name])
+        generate(model, batch[:2], 4)  # warm up both paths
+        model.generate(torch.tensor([batch[0]]), max_new_tokens=4, pad_token_id=pad)
+        totals = {"ours": [0.0, 0], "hf": [0.0, 0]}
+        for round_ in range(args.rounds):
+            order = ["ours", "hf"] if round_ % 2 == 0 else ["hf", "ours"]
+            for who in order:
+                if who == "ours":
+                    elapsed, lengths = run_ours(model, batch, eos, args.max_new_tokens, seed=round_)
+                else:
+                    elapsed, lengths = run_hf(model, batch, eos, pad, args.max_new_tokens, seed=round_)
+                totals[who][0] += elapsed
+                totals[who][1] += sum(lengths)
+                finished = sum(n < args.max_new_tokens for n in lengths)
+                print(f"  {name} round {round_} {who:4s}: {sum(lengths):6d} useful tokens in {elapsed:6.1f} s "
+                      f"= {sum(lengths) / elapsed:6.1f} tok/s ({finished}/{len(batch)} rows hit EOS, "
+                      f"mean length {sum(lengths) / len(lengths):.0f})")
+        ours, hf = (totals[k][1] / totals[k][0] for k in ("ours", "hf"))
+        print(f"{name}: ours {ours:.1f} tok/s, model.generate {hf:.1f} tok/s, speedup {ours / hf:.2f}x")
+
+if "length" not in args.skip:
+    print(f"\nbf16, batch {len(batch)}, EOS off (every row decodes to the end)")
+    model = load_model("smollm2-135m", dtype=torch.bfloat16)
+    generate(model, batch[:2], 4)
+    rates = {}
+    for max_new_tokens in (args.short, args.long):
+        elapsed, lengths = run_ours(model, batch, None, max_new_tokens, seed=0)
+        rates[max_new_tokens] = sum(lengths) / elapsed
+        mean_span = sum(map(len, batch)) / len(batch) + max_new_tokens / 2
+        achieved = rates[max_new_tokens] * decode_flops(model, mean_span)
+        print(f"  {max_new_tokens:5d} new tokens: {rates[max_new_tokens]:6.1f} tok/s, "
+              f"{achieved / 1e9:5.1f} GFLOP/s = {achieved / peak['bf16']:.1%} of the bf16 matmul peak")
+    print(f"tokens/s at {args.long} / at {args.short}: {rates[args.long] / rates[args.short]:.2f}")
+
+if "memory" not in args.skip:
+    print(f"\npeak memory while generating, batch {len(batch)}, EOS off (fresh process each, MiB)")
+    for name in args.dtypes:
+        for max_new_tokens in (args.short, args.long):
+            probe = [sys.executable, __file__, "--memory-probe", name, str(max_new_tokens),
+                     "--prompts", str(args.prompts), "--samples", str(args.samples), "--threads", str(args.threads)]
+            result = json.loads(subprocess.run(probe, capture_output=True, text=True, check=True).stdout
+                                .strip().splitlines()[-1])
+            print(f"  {name} {max_new_tokens:5d} new tokens: weights {result['weights']:.0f}, RSS before "
+                  f"{result['before']:.0f}; generate adds {result['extra']:.0f} of which KV cache "
+                  f"{result['cache']:.0f} (other: {result['extra'] - result['cache']:.0f})")
+with open("/proc/loadavg") as f:
+    print(f"\nload average at end: {f.read().split()[:3]}")

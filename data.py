@@ -12,7 +12,6 @@ any .jsonl path is a task too ({problem, answer} rows: math reward; {question, c
 `arith` and `countdown` are generated from a seed, offline; `train` and `test` never share a problem.
 """
 import json
-import os
 import random
 import zlib
 
@@ -25,7 +24,7 @@ TASKS = ("math", "math500", "math2", "mmlu-college-physics", "mmlu-college-chemi
 MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
                  "prealgebra", "precalculus")
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-PROCEDURAL_SIZE = {"train": 10_000, "test": 500}  # problems generated when no limit is given
+PROCEDURAL_SIZE = {"train": 10_000, "test": 500}  # problems generated when no limit is given (arith test: 185)
 
 
 def load_task(name, split="train", limit=None, seed=0):
@@ -36,7 +35,7 @@ def load_task(name, split="train", limit=None, seed=0):
         return arith(split, limit or PROCEDURAL_SIZE[split], seed)
     if name == "countdown":
         return countdown(split, limit or PROCEDURAL_SIZE[split], seed)
-    if name.endswith(".jsonl") or os.path.isfile(name):
+    if name.endswith(".jsonl"):
         examples = read_jsonl(name)
     elif name == "math":  # Hendrycks MATH: 7,500 train / 5,000 test problems, gold = last box of the solution
         alternative = "pass a local .jsonl of {problem, answer} rows instead (e.g. ../shared/data/math_train.jsonl)"
@@ -57,7 +56,8 @@ def load_task(name, split="train", limit=None, seed=0):
         subject = name.removeprefix("mmlu-").replace("-", "_")
         alternative = (f"pass a local .jsonl of {{question, choices, answer}} rows instead "
                        f"(e.g. ../shared/data/mmlu_{subject}.jsonl)")
-        examples = [to_example(row, f"cais/mmlu {subject}") for row in hub_rows("cais/mmlu", subject, "test", alternative)]
+        rows = hub_rows("cais/mmlu", subject, "test", alternative)
+        examples = [to_example(row, f"cais/mmlu {subject}") for row in rows]
     else:
         raise ValueError(f"unknown task '{name}': choose from {', '.join(TASKS)}, or a path to a .jsonl file")
     if limit is not None and limit < len(examples):  # a seeded subset, kept in the original order
@@ -172,27 +172,31 @@ def in_split(key, split):
 
 
 def arith(split, count, seed):
-    """Additions a + b with a, b in 1..30: the embedded default task, at which SmolLM2-135M-Instruct starts
-    near 33% at temperature 1.0 (see README). One worked example in the chat shows where the box goes.
-    The 899 problems split 714 train / 185 test; train repeats them in a seeded order, test gives each once."""
-    shot = [{"role": "user", "content": f"What is 13 + 5? {INSTRUCTION}"},
-            {"role": "assistant", "content": "13 + 5 = 18. The final answer is \\boxed{18}."}]
+    """Additions a + b with a, b in 1..30: the embedded default task, on which SmolLM2-135M-Instruct starts
+    near 45% both greedy and at temperature 1.0 (see README). Two worked examples in the chat show where
+    the box goes and keep the answer short.
+    The 898 problems split 713 train / 185 test; train repeats them in a seeded order, test gives each once."""
+    shots = []
+    for a, b in ((13, 5), (7, 26)):
+        shots += [{"role": "user", "content": f"What is {a} + {b}? {INSTRUCTION}"},
+                  {"role": "assistant", "content": f"{a} + {b} = {a + b}. The final answer is \\boxed{{{a + b}}}."}]
     pairs = [(a, b) for a in range(1, 31) for b in range(1, 31)
-             if (a, b) != (13, 5) and in_split(f"What is {a} + {b}?", split)]
+             if (a, b) not in ((13, 5), (7, 26)) and in_split(f"What is {a} + {b}?", split)]
     random.Random(f"arith-{seed}").shuffle(pairs)
     if split == "test":
         count = min(count, len(pairs))
     examples = []
     for a, b in (pairs[i % len(pairs)] for i in range(count)):
         problem = f"What is {a} + {b}?"
-        messages = shot + [{"role": "user", "content": f"{problem} {INSTRUCTION}"}]
+        messages = shots + [{"role": "user", "content": f"{problem} {INSTRUCTION}"}]
         examples.append({"messages": messages, "answer": str(a + b), "reward": "math", "problem": problem})
     return examples
 
 
 def countdown(split, count, seed):
-    """`count` Countdown problems as reasoning-gym makes them: 3-4 numbers in 1..100, a target in 100..999
-    reached by combining all of them with + - * / (every intermediate a non-negative integer)."""
+    """`count` Countdown problems in reasoning-gym's style (its defaults: 4-6 numbers; here 3-4): numbers in
+    1..100 and a target in 100..999 reached by combining all of them with + - * / (every intermediate a
+    non-negative integer); `answer` is that expression, one solution among possibly many."""
     rng = random.Random(f"countdown-{split}-{seed}")
     examples = []
     while len(examples) < count:
@@ -203,7 +207,7 @@ def countdown(split, count, seed):
             op = rng.choice("+-*/")
             if op == "-" and x < y or op == "/" and (y == 0 or x % y):
                 op = "+"
-            value = {"+": x + y, "-": x - y, "*": x * y, "/": x // y if y else 0}[op]
+            value = x + y if op == "+" else x - y if op == "-" else x * y if op == "*" else x // y
             terms.append((value, f"({ex} {op} {ey})"))
         target, expression = terms[0][0], terms[0][1][1:-1]
         problem = (f"Using the numbers {numbers}, create an expression that equals {target}. Use each number "

@@ -176,16 +176,19 @@ def test_procedural_splits_are_seeded_and_disjoint(name):
     assert {e["problem"] for e in train}.isdisjoint(e["problem"] for e in test)
     assert {e["problem"] for e in data.load_task(name, "train", limit=2000, seed=1)}.isdisjoint(
         e["problem"] for e in test)  # other seeds too: the split is a fixed partition of the problems
-    assert len(data.load_task(name, "test")) == data.PROCEDURAL_SIZE["test"]
+    assert len(data.load_task(name, "train")) == data.PROCEDURAL_SIZE["train"]
 
 
 def test_arith_answers():
-    for example in data.load_task("arith", "test", limit=100):
-        a, b, c = (int(tok) for tok in example["problem"].removeprefix("What is ").rstrip("?").split()[::2])
-        assert example["answer"] == str(a + b - c)
-        assert data.score(example, f"... \\boxed{{{a + b - c}}}") == 1.0
-        assert data.score(example, f"... \\boxed{{{a + b - c + 1}}}") == 0.0
-    assert data.load_task("arith")[0]["messages"][1]["role"] == "assistant"  # the worked example
+    test = data.load_task("arith", "test")
+    assert len({e["problem"] for e in test}) == len(test) > 150  # every test problem once
+    for example in test:
+        a, b = (int(tok) for tok in example["problem"].removeprefix("What is ").rstrip("?").split(" + "))
+        assert 1 <= a <= 30 and 1 <= b <= 30 and example["answer"] == str(a + b)
+        assert data.score(example, f"{a} + {b} = {a + b}. The final answer is \\boxed{{{a + b}}}.") == 1.0
+        assert data.score(example, f"\\boxed{{{a + b + 1}}}") == 0.0
+    train = data.load_task("arith")
+    assert len(train) == data.PROCEDURAL_SIZE["train"] and train[0]["messages"][1]["role"] == "assistant"
 
 
 def test_countdown_answers_are_valid():

@@ -64,19 +64,19 @@ parser.add_argument("--trust-remote-code", action="store_true", help="allow the 
 parser.add_argument("--task", default="arith", help="training task: a data.py task (math, countdown, arith...) "
                                                     "or a .jsonl file")
 parser.add_argument("--group-size", type=int, default=4, help="completions per prompt, the RLOO group (paper: 5)")
-parser.add_argument("--prompts-per-step", type=int, default=4, help="prompts per step over all ranks (paper: 256)")
+parser.add_argument("--prompts-per-step", type=int, default=8, help="prompts per step over all ranks (paper: 256)")
 parser.add_argument("--minibatches", type=int, default=1,
                     help="optimizer steps per sampled batch: 1 = strictly on-policy (paper), 4 = off-policy (Fig. 2)")
 parser.add_argument("--micro-batch", type=int, default=16,
                     help="sequences per forward/backward (gradient accumulation; the gradient does not depend on it)")
-parser.add_argument("--lr", type=float, default=2e-5, help="AdamW learning rate (paper: 1e-6)")
+parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (paper: 1e-6)")
 parser.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip range of the ratio (eq. 4)")
 parser.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm to this")
 parser.add_argument("--max-new-tokens", type=int, default=40, help="response length cap (paper: 1024)")
 parser.add_argument("--temperature", type=float, default=1.0,
                     help="sampling temperature; the trainer's log-probs use it too (paper: 1.0)")
 parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (paper: 1.0)")
-parser.add_argument("--steps", type=int, default=50, help="training steps (one sampled batch each)")
+parser.add_argument("--steps", type=int, default=20, help="training steps (one sampled batch each)")
 parser.add_argument("--eval-every", type=int, default=0, help="evaluate (Pass@1, eval.py) every N steps; 0 = never")
 parser.add_argument("--eval-tasks", default=None,
                     help="comma-separated data.py tasks to evaluate on, test split (default: the training task)")

@@ -47,6 +47,15 @@ def tiny_model(family):
 FAMILIES = ["llama3", "qwen2", "qwen3"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: one thread is fastest, and on a shared 2-core machine two threads can be 10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def model(request):
     return tiny_model(request.param)

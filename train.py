@@ -51,7 +51,8 @@ import rollout
 from hub import HubUnreachable
 from model import load_model, load_tokenizer
 
-parser = argparse.ArgumentParser(description="KL-regularized RLOO fine-tuning of an LLM (A Comedy of Estimators)")
+parser = argparse.ArgumentParser(description="KL-regularized RLOO fine-tuning of an LLM (A Comedy of Estimators)",
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 parser.add_argument("--kl", required=True, choices=kl.KINDS,
                     help="token-level estimator: k1 = log pi/pi_ref (eq. 11), k2 = (log pi/pi_ref)^2 / 2, "
                          "k3 = r - 1 - log r with r = pi_ref/pi (eq. 14)")
@@ -70,17 +71,17 @@ parser.add_argument("--minibatches", type=int, default=1,
 parser.add_argument("--micro-batch", type=int, default=16,
                     help="sequences per forward/backward (gradient accumulation; the gradient does not depend on it)")
 parser.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (paper: 1e-6)")
-parser.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip range of the ratio (eq. 4)")
+parser.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip range of the ratio (eq. 4; verl's default)")
 parser.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm to this")
 parser.add_argument("--max-new-tokens", type=int, default=40, help="response length cap (paper: 1024)")
 parser.add_argument("--temperature", type=float, default=1.0,
                     help="sampling temperature; the trainer's log-probs use it too (paper: 1.0)")
 parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (paper: 1.0)")
-parser.add_argument("--steps", type=int, default=20, help="training steps (one sampled batch each)")
+parser.add_argument("--steps", type=int, default=20, help="training steps, one sampled batch each (paper: 250)")
 parser.add_argument("--eval-every", type=int, default=0, help="evaluate (Pass@1, eval.py) every N steps; 0 = never")
 parser.add_argument("--eval-tasks", default=None,
                     help="comma-separated data.py tasks to evaluate on, test split (default: the training task)")
-parser.add_argument("--eval-limit", type=int, default=None, help="evaluate on the first N problems of each task")
+parser.add_argument("--eval-limit", type=int, default=None, help="evaluate on N problems of each task (a fixed subset)")
 parser.add_argument("--save-every", type=int, default=0, help="checkpoint OUT/step_N every N steps; 0 = only final")
 parser.add_argument("--out", default=None, help="output directory (default: runs/TASK-KL-in-PLACE-beta)")
 parser.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in --out")

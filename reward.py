@@ -24,7 +24,7 @@ from fractions import Fraction
 from importlib.util import find_spec
 
 if find_spec("math_verify") is None:  # fail at import, not as a silent reward of 0 on every answer
-    raise ImportError("reward.py needs math-verify: pip install 'math-verify[antlr4_13_2]'")
+    raise ImportError("reward.py needs math-verify: pip install math-verify")
 
 TIMEOUT_S = 1.0  # CPU seconds for one math-verify comparison (the slowest of 1,000 on MATH500: 0.14 s)
 WALL_TIMEOUT_S = 10.0  # backstop: the helper is killed when an answer takes this long in wall-clock time

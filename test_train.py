@@ -166,6 +166,40 @@ def assert_same(a, b, atol):
 
 
 # ---------------------------------------------------------------- tests
+def test_packed_logprobs_equal_one_forward_per_sequence():
+    """token_logprobs packs each group's rows into one sequence (the prompt once, a block attention mask): its
+    log-probs, entropies and gradient equal Hugging Face's forward pass of every prompt + response on its own."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from train import token_logprobs
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    prompt_a, prompt_b, prompt_c = [5, 9, 2, 7, 7, 1], [3, 4], [8, 8, 8, 1]
+    prompts = [prompt_a] * 3 + [prompt_b] + [prompt_c] * 2  # groups of 3, 1 and 2 rows
+    responses = torch.randint(0, 64, (6, 5))
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1],
+                         [1, 1, 1, 0, 0]], dtype=torch.float32)
+    logp, entropy = token_logprobs(model, prompts, responses, mask, 0.7, torch.float32)
+    grad = torch.autograd.grad(logp.sum(), list(model.parameters()))
+    expected_logp, expected_entropy, expected_grad = torch.zeros(6, 5), torch.zeros(6, 5), 0
+    for row, prompt in enumerate(prompts):
+        length = int(mask[row].sum())
+        ids = torch.tensor([prompt + responses[row, :length].tolist()])
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1] / 0.7
+        all_logp = logits.log_softmax(-1)
+        row_logp = all_logp.gather(-1, responses[row, :length, None]).squeeze(-1)
+        expected_grad = [g + e for g, e in zip(torch.autograd.grad(row_logp.sum(), list(model.parameters())),
+                                               expected_grad or [0] * len(grad))]
+        expected_logp[row, :length] = row_logp.detach()
+        expected_entropy[row, :length] = -(all_logp.exp() * all_logp).sum(-1).detach()
+    torch.testing.assert_close(logp.detach(), expected_logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, expected_entropy, atol=1e-5, rtol=0)
+    for got, expected in zip(grad, expected_grad):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def two_steps(tiny, tmp_path_factory):
     """Two steps in one process, all 16 sequences in one micro-batch, SGD, row-seeded samples: the reference run."""

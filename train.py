@@ -109,23 +109,44 @@ def prompt_batch(examples, start, count, seed):
 def token_logprobs(model, prompts, responses, response_mask, temperature, dtype):
     """log pi(y_t | x, y<t) of each response token, (B, T) in fp32, and the entropy of pi there (detached).
 
-    Prompts are left-padded and responses right-padded, so every response starts at the same column and only
-    the last T + 1 positions reach the output layer: the logits are (B, T, vocab) for this micro-batch only.
+    Rows with the same prompt (an RLOO group is contiguous) are packed into one sequence: the prompt once, then
+    each of its responses, every response attending to the prompt and to its own earlier tokens only (a block
+    attention mask, position ids restarting after the prompt). Each token sees exactly what it would see in its
+    own sequence, but the prompt is computed once per group instead of G times. Prompts are left-padded, so every
+    pack's first response starts at column P and only the last K * T + 1 columns reach the output layer.
     """
     B, T = responses.shape
-    P = max(map(len, prompts))
-    input_ids = torch.zeros(B, P + T, dtype=torch.long, device=responses.device)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, prompt in enumerate(prompts):
-        input_ids[i, P - len(prompt):P] = torch.tensor(prompt)
-        attention_mask[i, P - len(prompt):P] = 1
-    input_ids[:, P:] = responses
-    attention_mask[:, P:] = response_mask.long()
-    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-    with torch.autocast(responses.device.type, dtype=dtype, enabled=dtype != torch.float32):
-        # the logits at column P - 1 + t predict response token t
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       use_cache=False, logits_to_keep=T + 1).logits[:, :-1]
+    packs = []  # (prompt, rows): runs of consecutive rows with the same prompt
+    for row, prompt in enumerate(prompts):
+        if packs and packs[-1][0] == prompt:
+            packs[-1][1].append(row)
+        else:
+            packs.append((prompt, [row]))
+    P, K = max(len(prompt) for prompt, _ in packs), max(len(rows) for _, rows in packs)
+    L, device = P + K * T, responses.device
+    input_ids = torch.zeros(len(packs), L, dtype=torch.long, device=device)
+    position_ids = torch.zeros_like(input_ids)
+    allowed = torch.eye(L, dtype=torch.bool, device=device).repeat(len(packs), 1, 1)  # padding sees itself only
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    pack_of_row, slot_of_row = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long)
+    for j, (prompt, rows) in enumerate(packs):
+        first = P - len(prompt)
+        input_ids[j, first:P] = torch.tensor(prompt)
+        position_ids[j, first:P] = torch.arange(len(prompt))
+        allowed[j, first:P, first:P] = torch.ones(len(prompt), len(prompt), dtype=torch.bool).tril()
+        for k, row in enumerate(rows):
+            columns = slice(P + k * T, P + (k + 1) * T)
+            input_ids[j, columns] = responses[row]
+            position_ids[j, columns] = torch.arange(len(prompt), len(prompt) + T)
+            allowed[j, columns, first:P] = True
+            allowed[j, columns, columns] = causal
+            pack_of_row[row], slot_of_row[row] = j, k
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        # kept column 0 (the prompt's last) predicts every response's token 0; kept column k*T + t predicts token t
+        logits = model(input_ids=input_ids, attention_mask=allowed.unsqueeze(1), position_ids=position_ids,
+                       use_cache=False, logits_to_keep=K * T + 1).logits
+    columns = (slot_of_row[:, None] * T + torch.arange(T)) * (torch.arange(T) > 0)  # (B, T)
+    logits = logits[pack_of_row[:, None].to(device), columns.to(device)]  # (B, T, vocab)
     logp_all = (logits.float() / temperature).log_softmax(-1)
     logp = logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():

@@ -6,7 +6,8 @@ A run directory holds what train.py and eval.py write there:
 - metrics.jsonl: one JSON object per step (step, reward, kl_k1, kl_k3, entropy, response_len, grad_norm,
   and at --eval-every steps eval/<task>/accuracy); missing keys leave a gap, NaN (a skipped step) too;
 - config.json: train.py's flags, for the label "k1-in-reward β=0.1" (else the directory name);
-- eval.json: `python eval.py --model RUN/final --out RUN ...`, for the bar chart (mean@k ± stderr per task).
+- eval.json: `python eval.py --model RUN/final --out RUN ...`, for the bar chart (mean@k ± stderr per task);
+  also RUN/*/eval.json (one eval.py --out per setting, e.g. RUN/eval-math500), all tasks merged.
 Each run gets one colour in every panel.
 """
 import argparse
@@ -64,6 +65,16 @@ def run_label(run):
     return f"{config.get('kl')}-in-{config.get('place')} β={config.get('beta')}"
 
 
+def read_evals(run):
+    """{task: result} from RUN/eval.json and RUN/*/eval.json; a .jsonl task is named by its file stem."""
+    results = {}
+    for path in [run / "eval.json", *sorted(run.glob("*/eval.json"))]:
+        if path.is_file():
+            results.update({Path(task).stem if task.endswith(".jsonl") else task: result
+                            for task, result in json.loads(path.read_text()).items()})
+    return results
+
+
 def ema(values, weight):
     """Exponential moving average that skips NaN (a skipped step stays a gap)."""
     smoothed, last = [], None
@@ -96,7 +107,7 @@ def main(argv=None):
     labels = [run_label(run) for run in runs]
     labels = [label if labels.count(label) == 1 else f"{label} ({run.name})" for label, run in zip(labels, runs)]
     metrics = [read_metrics(run / "metrics.jsonl") for run in runs]
-    evals = [json.loads((run / "eval.json").read_text()) if (run / "eval.json").is_file() else {} for run in runs]
+    evals = [read_evals(run) for run in runs]
     colors = [f"C{i % 10}" for i in range(len(runs))]
 
     has_bars = any(evals)
@@ -143,6 +154,24 @@ def main(argv=None):
         axis.grid(axis="y", alpha=0.3)
     figure.savefig(args.out, dpi=100)
     print(f"wrote {args.out}")
+    print(table(labels, metrics, evals))
+
+
+def table(labels, metrics, evals, last=5):
+    """A markdown table: each run's final eval (mean@k ± stderr per task) and its last `last` training steps."""
+    tasks = list(dict.fromkeys(task for results in evals for task in results))
+    keys = [("reward", "train reward"), ("kl_k1", "KL (K1)"), ("kl_k3", "KL (K3)"), ("entropy", "entropy")]
+    lines = ["| run | " + " | ".join(tasks + [f"{name}, last {last} steps" for _, name in keys]) + " | skipped |",
+             "|---" * (len(tasks) + len(keys) + 2) + "|"]
+    for label, rows, results in zip(labels, metrics, evals):
+        cells = [f"{results[task]['accuracy']:.3f} ± {results[task].get('stderr', 0):.3f}" if task in results
+                 else "" for task in tasks]
+        for key, _ in keys:
+            values = [v for v in series(rows, key)[1][-last:] if math.isfinite(v)]
+            cells.append(f"{sum(values) / len(values):.3f}" if values else "")
+        cells.append(str(sum(row.get("skipped", 0) for row in rows)) if rows else "")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

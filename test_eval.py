@@ -193,3 +193,28 @@ def test_plot_renders_without_display(tmp_path):
     assert plot.run_label(tmp_path / "none") == "no KL"
     assert plot.run_label(tmp_path / "bare") == "bare"
     assert len(plot.read_metrics(tmp_path / "bare" / "metrics.jsonl")) == 8
+
+
+def test_plot_merges_eval_files_one_level_down(tmp_path):
+    """RUN/eval.json and RUN/*/eval.json (one eval.py --out per setting) merge; a .jsonl task shows its stem."""
+    import plot
+
+    (tmp_path / "eval-math500").mkdir()
+    (tmp_path / "eval.json").write_text(json.dumps({"arith": {"accuracy": 0.5}}))
+    (tmp_path / "eval-math500" / "eval.json").write_text(
+        json.dumps({"../shared/data/math500.jsonl": {"accuracy": 0.02}}))
+    assert plot.read_evals(tmp_path) == {"arith": {"accuracy": 0.5}, "math500": {"accuracy": 0.02}}
+
+
+def test_plot_table_lists_final_results(tmp_path):
+    import plot
+
+    rows = [{"step": s, "reward": s / 10, "kl_k1": float("nan") if s == 9 else 1.0, "skipped": int(s == 9)}
+            for s in range(10)]
+    text = plot.table(["k1-in-reward β=0.05", "base"], [rows, []],
+                      [{"arith": {"accuracy": 0.75, "stderr": 0.03}}, {"arith": {"accuracy": 0.4, "stderr": 0.04}}])
+    lines = text.splitlines()
+    assert lines[0].startswith("| run | arith | train reward, last 5 steps")
+    # reward: mean of steps 5-9 = 0.7; K1: the finite ones of the last 5 (1.0); one skipped step
+    assert lines[2] == "| k1-in-reward β=0.05 | 0.750 ± 0.030 | 0.700 | 1.000 |  |  | 1 |"
+    assert lines[3] == "| base | 0.400 ± 0.040 |  |  |  |  |  |"

@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt
 parser = argparse.ArgumentParser(description="training curves and final evaluation of RL runs, as one PNG")
 parser.add_argument("runs", nargs="+", help="run directories (metrics.jsonl, config.json, eval.json)")
 parser.add_argument("--out", default="fig.png", help="output PNG path")
+parser.add_argument("--dpi", type=int, default=100, help="resolution of the PNG (the figure is 16 x 10.5 inches)")
 parser.add_argument("--smooth", type=float, default=0.0, help="EMA weight in [0, 1) for curves; 0 = raw")
 
 CURVES = [  # (metrics.jsonl key, panel title); "eval" stands for every eval/<task>/accuracy key
@@ -152,7 +153,7 @@ def main(argv=None):
         axis.set_xticks(range(len(tasks)), tasks)
         axis.set_title("final evaluation (± standard error over problems)", fontsize=11)
         axis.grid(axis="y", alpha=0.3)
-    figure.savefig(args.out, dpi=100)
+    figure.savefig(args.out, dpi=args.dpi)
     print(f"wrote {args.out}")
     print(table(labels, metrics, evals))
 

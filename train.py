@@ -4,7 +4,8 @@ The exact variant, the paper's sec. 4.1 setup (verl's defaults where the paper i
 0.01, gradient clipping at 1.0, constant learning rate, PPO clip 0.2). One step:
   1. rollout    sample --group-size completions for each of --prompts-per-step prompts from the current policy
   2. reward     score each completion with its verifiable reward R in [0, 1] (reward.py via data.score)
-  3. log-probs  log pi(y_t | x, y<t) of every sampled token under the policy (no grad) and the frozen reference
+  3. log-probs  log pi(y_t | x, y<t) of every sampled token under the policy (no grad) and the frozen reference;
+                each group goes through the model as one packed sequence, its prompt computed once (token_logprobs)
   4. shape      return_i = R_i - beta * sum_t sg[KL_t] when --place is reward or both (eq. 7), else R_i
   5. advantage  RLOO: A_i = return_i - mean of the other G - 1 returns of the same prompt
   6. loss       PPO-clip surrogate (eq. 4) + beta * sum_t KL_t when --place is loss or both (eq. 9); both are sums

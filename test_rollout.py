@@ -252,7 +252,14 @@ def test_smollm2_bf16_runs(smollm2):
                    generator=torch.Generator().manual_seed(0))
     assert out.token_logprobs.dtype == torch.float32 and torch.isfinite(out.token_logprobs).all()
     assert out.tokens.dtype == torch.long and out.tokens.max() < model.config.vocab_size
-    for row, prompt in enumerate(prompts):  # bf16 rounding differs between the two paths: loose tolerance
+    # bf16 rounding differs between the two paths (in a full forward pass vs ours, each token's log-prob moves by
+    # ~0.005 on average, up to ~0.3 on rare tokens): every token within 0.15 + 2% of |log-prob| (the rounding of
+    # a large negative logit gap), and the mean difference small, which a real bug (a wrong position, mask or
+    # temperature) would not meet
+    differences = []
+    for row, prompt in enumerate(prompts):
         logp, response = reference_logprobs(model, prompt, out.response_ids[row])
         expected = logp.gather(-1, response[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(out.logprobs[row]), expected, atol=0.15, rtol=0)
+        torch.testing.assert_close(torch.tensor(out.logprobs[row]), expected, atol=0.15, rtol=0.02)
+        differences += (torch.tensor(out.logprobs[row]) - expected).abs().tolist()
+    assert sum(differences) / len(differences) < 0.05, differences

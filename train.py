@@ -123,6 +123,7 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype)
             packs[-1][1].append(row)
         else:
             packs.append((prompt, [row]))
+    # P: prompt width (left-padded), K: most responses in one pack, L: a pack's length
     P, K = max(len(prompt) for prompt, _ in packs), max(len(rows) for _, rows in packs)
     L, device = P + K * T, responses.device
     input_ids = torch.zeros(len(packs), L, dtype=torch.long, device=device)
@@ -131,23 +132,25 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype)
     causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
     pack_of_row, slot_of_row = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long)
     for j, (prompt, rows) in enumerate(packs):
-        first = P - len(prompt)
-        input_ids[j, first:P] = torch.tensor(prompt)
-        position_ids[j, first:P] = torch.arange(len(prompt))
-        allowed[j, first:P, first:P] = torch.ones(len(prompt), len(prompt), dtype=torch.bool).tril()
+        prompt_start = P - len(prompt)
+        input_ids[j, prompt_start:P] = torch.tensor(prompt)
+        position_ids[j, prompt_start:P] = torch.arange(len(prompt))
+        allowed[j, prompt_start:P, prompt_start:P] = torch.ones(len(prompt), len(prompt), dtype=torch.bool,
+                                                                device=device).tril()
         for k, row in enumerate(rows):
             columns = slice(P + k * T, P + (k + 1) * T)
             input_ids[j, columns] = responses[row]
             position_ids[j, columns] = torch.arange(len(prompt), len(prompt) + T)
-            allowed[j, columns, first:P] = True
+            allowed[j, columns, prompt_start:P] = True
             allowed[j, columns, columns] = causal
             pack_of_row[row], slot_of_row[row] = j, k
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
         # kept column 0 (the prompt's last) predicts every response's token 0; kept column k*T + t predicts token t
         logits = model(input_ids=input_ids, attention_mask=allowed.unsqueeze(1), position_ids=position_ids,
                        use_cache=False, logits_to_keep=K * T + 1).logits
-    columns = (slot_of_row[:, None] * T + torch.arange(T)) * (torch.arange(T) > 0)  # (B, T)
-    logits = logits[pack_of_row[:, None].to(device), columns.to(device)]  # (B, T, vocab)
+    t = torch.arange(T)
+    kept_column = torch.where(t > 0, slot_of_row[:, None] * T + t, 0)  # (B, T): the column predicting token t
+    logits = logits[pack_of_row[:, None].to(device), kept_column.to(device)]  # (B, T, vocab)
     logp_all = (logits.float() / temperature).log_softmax(-1)
     logp = logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():

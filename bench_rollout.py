@@ -48,15 +48,41 @@ def math500_prompts(tokenizer, num):
     return prompts
 
 
-def matmul_peak(dtype, size=2048, reps=5):
-    """Best-of-reps FLOP/s of one large square matmul: this CPU's roofline for `dtype`."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    best = float("inf")
-    for _ in range(reps + 1):
+def median_seconds(fn, reps):
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
         start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * size**3 / best
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[reps // 2]
+
+
+def matmul_peak(dtype, size=4096, reps=7):
+    """Median FLOP/s of one large square matmul: this CPU's sustained roofline for `dtype` (a median, not
+    the best: on a shared virtual machine single runs of the same matmul vary by 2x)."""
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    return 2 * size**3 / median_seconds(lambda: a @ b, reps)
+
+
+def linear_ceiling(model, rows, reps=7):
+    """FLOP/s of the model's own Linear modules (lm_head included) called once each on `rows` rows, and
+    nothing else: what a decode step could reach if attention, norms, sampling and Python were free."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {m: torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in linears}
+
+    def step():
+        for m in linears:
+            m(inputs[m])
+    with torch.no_grad():
+        seconds = median_seconds(step, reps)
+    return 2 * rows * sum(m.weight.numel() for m in linears) / seconds
+
+
+def read_bandwidth(megabytes=512, reps=7):
+    """Bytes/s of summing a large fp32 tensor: how fast this CPU streams memory (weights, KV cache)."""
+    x = torch.ones(megabytes * 2**18)
+    return x.numel() * 4 / median_seconds(x.sum, reps)
 
 
 def decode_flops(model, mean_span):
@@ -131,7 +157,8 @@ print(f"SmolLM2-135M-Instruct, {args.prompts} MATH500 prompts x {args.samples} s
 with open("/proc/loadavg") as f:
     print(f"load average at start: {f.read().split()[:3]}")
 peak = {name: matmul_peak(dtype) for name, dtype in DTYPES.items()}
-print(f"matmul peak (2048^3): bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s, fp32 {peak['fp32'] / 1e9:.0f} GFLOP/s")
+print(f"matmul peak (4096^3, median of 7): bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s, fp32 {peak['fp32'] / 1e9:.0f} GFLOP/s; "
+      f"memory read bandwidth {read_bandwidth() / 1e9:.1f} GB/s")
 
 if "ab" not in args.skip:
     print(f"\nA/B, temperature 1, EOS on, max_new_tokens {args.max_new_tokens}")
@@ -171,6 +198,9 @@ if "length" not in args.skip:
         print(f"  {max_new_tokens:5d} new tokens: {rates[max_new_tokens]:6.1f} tok/s, "
               f"{achieved / 1e9:5.1f} GFLOP/s = {achieved / peak['bf16']:.1%} of the bf16 matmul peak")
     print(f"tokens/s at {args.long} / at {args.short}: {rates[args.long] / rates[args.short]:.2f}")
+    ceiling = linear_ceiling(model, len(batch))
+    print(f"ceiling: the model's Linear modules alone at batch {len(batch)} reach {ceiling / 1e9:.1f} GFLOP/s "
+          f"= {ceiling / peak['bf16']:.1%} of the bf16 matmul peak")
 
 if "memory" not in args.skip:
     print(f"\npeak memory while generating, batch {len(batch)}, EOS off (fresh process each, MiB)")

@@ -9,9 +9,10 @@ The exact variant:
 - Cache: one tensor per K and V of shape (layers, rows, max_len, kv_heads, head_dim), the layout of
   `flash_attn_with_kvcache`. Row b holds its own prompt from slot 0 (no left padding), so the token at
   slot j has position j, exactly as Hugging Face places an unpadded prompt. `seqlens[b]` counts its slots.
-- Prefill runs each distinct prompt once (the trainer passes each prompt G times) and copies its K/V to
-  the rows that share it; decode then runs one token per live row. A row that emits EOS leaves the batch:
-  the last live rows move into its cache slots, so the next steps run on fewer rows.
+- Rows are sorted longest prompt first. Prefill runs each distinct prompt once (the trainer passes each
+  prompt G times) in buckets of similar length, each padded only to its own longest prompt, and copies
+  its K/V to the rows that share it; decode then runs one token per live row. A row that emits EOS leaves
+  the batch: the last live rows move into its cache slots, so the next steps run on fewer rows.
 - Sampling: temperature T scales the logits; top-p keeps the smallest set of most likely tokens whose
   mass reaches p (the token that crosses p included: Hugging Face's TopPLogitsWarper rule) and
   renormalizes. The returned log-prob of each token is under exactly that distribution,
@@ -20,7 +21,8 @@ The exact variant:
   CDF with one uniform per (row, step) taken from `generator` up front, so a row's sample depends on the
   seed and its row index only, not on when the other rows finish.
 - Attention: `flash_attn_with_kvcache` when flash-attn is installed and the tensors are on CUDA in
-  bf16/fp16; PyTorch's scaled_dot_product_attention over the same cache otherwise.
+  bf16/fp16; PyTorch's scaled_dot_product_attention over the same cache otherwise. SDPA has no per-row
+  lengths, so each bucket of consecutive rows attends over the slots of its own longest row only.
 """
 import importlib.util
 import sys
@@ -30,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 FAMILIES = ("llama", "qwen2", "qwen3")
+BUCKETS = 4  # rows are split into this many buckets of similar length (prefill; SDPA attention)
 
 
 @dataclass
@@ -66,6 +69,12 @@ def flash_attention(q, k, v, k_cache, v_cache, seqlens, scale):
     )
 
 
+def row_buckets(num_rows):
+    """Up to BUCKETS consecutive slices covering rows 0..num_rows-1."""
+    size = -(-num_rows // BUCKETS)
+    return [slice(start, min(start + size, num_rows)) for start in range(0, num_rows, size)]
+
+
 def causal_bias(positions, span, groups, dtype):
     """Additive mask (n, 1, groups * L, span) for sdpa_attention: slot j is visible to the query at
     position p iff j <= p (each row's own positions; slots past a row's length are masked)."""
@@ -98,9 +107,10 @@ def forward(model, input_ids, cache):
     n, L = input_ids.shape
     start = cache.seqlens[:n]
     positions = start[:, None].long() + torch.arange(L, device=input_ids.device)
-    if not cache.flash:  # the SDPA branch reads slots 0..span-1 of every row, masked per row
+    if not cache.flash:  # SDPA: each bucket of rows reads slots 0..span-1, span = its longest row's
         groups = model.config.num_attention_heads // model.config.num_key_value_heads
-        bias = causal_bias(positions, int(start.max()) + L, groups, cache.k.dtype)
+        buckets = [(rows, causal_bias(positions[rows], int(start[rows].max()) + L, groups, cache.k.dtype))
+                   for rows in row_buckets(n)]
     apply_rotary_pos_emb = sys.modules[type(model).__module__].apply_rotary_pos_emb
 
     x = base.embed_tokens(input_ids)
@@ -117,7 +127,8 @@ def forward(model, input_ids, cache):
         if cache.flash:
             out = flash_attention(q, k, v, cache.k[i, :n], cache.v[i, :n], start, attn.scaling)
         else:
-            out = sdpa_attention(q, k, v, cache.k[i, :n], cache.v[i, :n], positions, bias, attn.scaling)
+            out = torch.cat([sdpa_attention(q[rows], k[rows], v[rows], cache.k[i, rows], cache.v[i, rows],
+                                            positions[rows], bias, attn.scaling) for rows, bias in buckets])
         x = x + attn.o_proj(out.reshape(n, L, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     cache.seqlens[:n] += L
@@ -125,18 +136,25 @@ def forward(model, input_ids, cache):
 
 
 def prefill(model, prompts, cache):
-    """Run the prompts (right-padded, one per cache row 0..len-1); return next-token logits (rows, V).
-    Padding sits after each prompt, so causal attention keeps it out of every real token's view; its
-    K/V slots are overwritten by decode, which writes at seqlens = the true prompt length."""
+    """Run the prompts (one per cache row 0..len-1, longest first); return next-token logits (rows, V).
+    Each bucket of rows is right-padded to its own longest prompt. Padding sits after each prompt, so
+    causal attention keeps it out of every real token's view; its K/V slots are overwritten by decode,
+    which writes at seqlens = the true prompt length."""
     device = cache.seqlens.device
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    input_ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long, device=device)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, : len(prompt)] = torch.tensor(prompt, device=device)
-    hidden = forward(model, input_ids, cache)
-    cache.seqlens[: len(prompts)] = lengths.int()
-    last = hidden[torch.arange(len(prompts), device=device), lengths - 1]  # only the last token's logits
-    return model.lm_head(last).float()
+    logits = []
+    for rows in row_buckets(len(prompts)):
+        bucket = prompts[rows]
+        lengths = torch.tensor([len(p) for p in bucket], device=device)
+        input_ids = torch.zeros(len(bucket), int(lengths.max()), dtype=torch.long, device=device)
+        for row, prompt in enumerate(bucket):
+            input_ids[row, : len(prompt)] = torch.tensor(prompt, device=device)
+        # the bucket's rows as a cache of their own: views, so forward writes into `cache`
+        rows_cache = KVCache(cache.k[:, rows], cache.v[:, rows], cache.seqlens[rows], cache.flash)
+        hidden = forward(model, input_ids, rows_cache)
+        cache.seqlens[rows] = lengths.int()
+        last = hidden[torch.arange(len(bucket), device=device), lengths - 1]  # only the last token's logits
+        logits.append(model.lm_head(last).float())
+    return torch.cat(logits)
 
 
 def decode(model, tokens, cache):
@@ -150,18 +168,18 @@ def sample(logits, temperature, top_p, uniform):
     (n,) under the distribution sampled from)."""
     if temperature == 0:
         return logits.argmax(-1), torch.zeros(len(logits), device=logits.device)
-    logp = torch.log_softmax(logits / temperature, dim=-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1:
-        sorted_logp, order = logp.sort(dim=-1, descending=True)
-        mass_before = sorted_logp.exp().cumsum(-1) - sorted_logp.exp()
-        # nucleus: the most likely tokens until their mass reaches top_p; renormalize over it
-        sorted_logp = sorted_logp.masked_fill(mass_before >= top_p, -float("inf"))
-        logp = torch.full_like(logp, -float("inf")).scatter(-1, order, sorted_logp)
-        logp = logp - logp.logsumexp(-1, keepdim=True)
-    # inverse-CDF sampling: the first token whose cumulative probability exceeds the uniform
-    cdf = logp.exp().cumsum(-1, dtype=torch.float64)
-    tokens = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True).clamp(max=cdf.shape[-1] - 1)
-    return tokens[:, 0], logp.gather(-1, tokens)[:, 0]
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        # nucleus: the most likely tokens until their mass reaches top_p (renormalized below)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(mass_before >= top_p, 0))
+    # inverse-CDF sampling: the first token whose cumulative probability exceeds uniform * total mass
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    tokens = torch.searchsorted(cdf, uniform[:, None] * total, right=True).clamp(max=cdf.shape[-1] - 1)
+    # its log-prob under the distribution sampled from: log(p / total), total = 1 without top-p
+    return tokens[:, 0], (probs.gather(-1, tokens) / total).log().float()[:, 0]
 
 
 def compact(cache, done, span):
@@ -203,14 +221,12 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_tok
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     eos = torch.tensor(eos, dtype=torch.long, device=device)
 
-    # Identical prompts share one prefill: the distinct ones take the first cache slots.
-    first_row = {}  # distinct prompt -> first row holding it
-    for row, prompt in enumerate(prompts):
-        first_row.setdefault(tuple(prompt), row)
-    distinct = {prompt: i for i, prompt in enumerate(first_row)}
-    firsts = set(first_row.values())
-    slot_rows = list(first_row.values()) + [row for row in range(len(prompts)) if row not in firsts]
-    source = torch.tensor([distinct[tuple(prompts[row])] for row in slot_rows], device=device)
+    # Cache slots hold the rows longest prompt first, so neighbouring slots have similar lengths.
+    # Identical prompts share one prefill: the distinct ones (also longest first) take the first slots.
+    distinct = sorted(dict.fromkeys(map(tuple, prompts)), key=len, reverse=True)
+    index = {prompt: i for i, prompt in enumerate(distinct)}
+    slot_rows = sorted(range(len(prompts)), key=lambda row: -len(prompts[row]))
+    source = torch.tensor([index[tuple(prompts[row])] for row in slot_rows], device=device)
     row_of_slot = torch.tensor(slot_rows, device=device)
 
     num_rows, max_prompt = len(prompts), max(len(p) for p in prompts)
@@ -224,11 +240,10 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_tok
         seqlens=torch.zeros(num_rows, dtype=torch.int32, device=device),
         flash=flash,
     )
-    logits = prefill(model, list(distinct), cache)
-    shared = slice(len(distinct), num_rows)  # slots whose prompt was prefilled in an earlier slot
-    for layer_cache in (*cache.k, *cache.v):  # layer by layer: the temporary copy stays small
-        layer_cache[shared, :max_prompt] = layer_cache[source[shared], :max_prompt]
-    cache.seqlens[shared] = cache.seqlens[source[shared]]
+    logits = prefill(model, distinct, cache)
+    for layer_cache in (*cache.k, *cache.v):  # slot s <- the prefilled slot of its prompt, layer by layer
+        layer_cache[:, :max_prompt] = layer_cache[source, :max_prompt]  # (the right side is a copy)
+    cache.seqlens[:] = cache.seqlens[source]
     logits = logits[source]
 
     # One uniform per (row, step), drawn up front: a row's samples depend on the seed and its row index

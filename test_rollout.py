@@ -110,6 +110,27 @@ def test_batch_equals_each_prompt_alone(model):
         assert batch.response_ids[row] == alone.response_ids[0]
 
 
+def test_length_buckets_with_many_prompts(model):
+    """More distinct prompts than rollout.BUCKETS, in shuffled lengths, some repeated: each prefill
+    bucket pads several prompts to its longest, rows are reordered longest first, attention runs per
+    bucket, and rows finish at different steps; every row still equals the model's own computation."""
+    generator = torch.Generator().manual_seed(0)
+    lengths = [9, 1, 23, 4, 15, 2, 30, 7, 12, 5]
+    prompts = [torch.randint(5, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+    prompts += [prompts[2], prompts[1], prompts[6]]
+    greedy = generate(model, prompts, max_new_tokens=10, temperature=0)
+    for row, prompt in enumerate(prompts):
+        assert greedy.response_ids[row] == hf_greedy(model, prompt, 10)
+    eos = [token for row in greedy.response_ids for token in row[3:5]]  # tokens the rows do produce
+    sampled = generate(model, prompts, max_new_tokens=10, temperature=1.0, eos_token_id=eos,
+                       generator=torch.Generator().manual_seed(1))
+    assert len(set(map(len, sampled.response_ids))) > 2, "the test needs rows that stop at different steps"
+    for row, prompt in enumerate(prompts):
+        logp, response = reference_logprobs(model, prompt, sampled.response_ids[row])
+        expected = logp.gather(-1, response[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(sampled.logprobs[row]), expected, atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
 def test_logprobs_match_full_forward(model, temperature):
     out = generate(model, PROMPTS, max_new_tokens=12, temperature=temperature,

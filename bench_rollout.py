@@ -49,7 +49,8 @@ def math500_prompts(tokenizer, num):
 
 
 def median_seconds(fn, reps):
-    fn()  # warm-up
+    """Median wall-clock seconds of `reps` calls of fn(), after one untimed warm-up call."""
+    fn()
     times = []
     for _ in range(reps):
         start = time.perf_counter()

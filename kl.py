@@ -19,9 +19,13 @@ On-policy, the expected gradient of the KL term is then (test_kl.py checks each 
 
     k1 reward  E[K1 * grad log pi(y)]               = grad KL              unbiased    (eqs. 10, 12)
     k1 loss    E[sum_t grad K1_t]                   = 0                    biased      (eq. 13)
-    k3 reward  grad KL + E[sum_t r_t grad log pi(y)]                       biased      (eqs. 15, 19)
+    k3 reward  grad KL + E[sum_t r_t grad log pi(y)] - grad E[T]           biased      (eqs. 15, 19)
     k3 loss    sum_t E[grad KL(pi_ref(.|y<t) || pi(.|y<t))]  (token fwd KL) biased     (eqs. 16, 41)
     k1/k3 both grad KL                                                     unbiased    (sec. 3.1, 4.3)
+
+T is the response length, EOS included. The "-1" of K3 sums to -T, so with lengths that vary (a response
+ends at EOS) K3-in-reward also carries -grad E[T], which eq. 19 leaves out (it is 0 at a fixed T); either way
+it is grad KL minus the K3-in-loss gradient (eq. 45). test_kl.py checks both fixed and EOS-ended lengths.
 
 Shapes: logp, ref_logp, mask are (B, T) per response token. `mask` is multiplied in everywhere, so a
 float mask weights tokens (0 on padding). `num_tokens` is the normalizer, the total number of response
@@ -32,6 +36,7 @@ import torch
 
 KINDS = ("k1", "k2", "k3")
 PLACES = ("reward", "loss", "both", "none")
+CLAMPS = ("none", "verl")  # verl's low_var_kl bounds on K3, as the paper's on-policy runs had them
 
 
 def _check(kind, place):
@@ -41,9 +46,15 @@ def _check(kind, place):
         raise ValueError(f"unknown KL place {place!r}: choose one of {', '.join(PLACES)}")
 
 
-def estimate(logp, ref_logp, kind):
-    """Per-token KL estimate, shape (B, T), differentiable in `logp`."""
+def estimate(logp, ref_logp, kind, clamp="none"):
+    """Per-token KL estimate, shape (B, T), differentiable in `logp`.
+
+    clamp="verl" bounds K3 as verl's `low_var_kl` does (K1 and K2 are never clamped there): log r to
+    [-20, 20], then K3 to [-10, 10]; a clamped value has zero gradient. The default is the exact estimator.
+    """
     _check(kind, "none")
+    if clamp not in CLAMPS:
+        raise ValueError(f"unknown KL clamp {clamp!r}: choose one of {', '.join(CLAMPS)}")
     if kind == "k1":
         # eq. 11: K1_t = log pi - log pi_ref
         return logp - ref_logp
@@ -52,10 +63,13 @@ def estimate(logp, ref_logp, kind):
         return 0.5 * (logp - ref_logp) ** 2
     # eq. 14: K3_t = r - 1 - log r, written as expm1(log r) - log r: exact when r ~ 1, and >= 0
     log_r = ref_logp - logp
+    if clamp == "verl":
+        log_r = log_r.clamp(-20, 20)
+        return (torch.expm1(log_r) - log_r).clamp(-10, 10)
     return torch.expm1(log_r) - log_r
 
 
-def shape_rewards(scores, logp, ref_logp, mask, kind, place, beta):
+def shape_rewards(scores, logp, ref_logp, mask, kind, place, beta, clamp="none"):
     """Sequence returns (B,): R - beta * sum_t sg[KL_t] for place reward/both (eq. 7), else R.
 
     The result is detached: the KL reaches the policy only through the advantage (eq. 8).
@@ -63,16 +77,16 @@ def shape_rewards(scores, logp, ref_logp, mask, kind, place, beta):
     _check(kind, place)
     if place not in ("reward", "both"):
         return scores.detach()
-    kl = estimate(logp.detach(), ref_logp.detach(), kind)
+    kl = estimate(logp.detach(), ref_logp.detach(), kind, clamp)
     # eq. 7: R - beta * sum_t sg[KL_t]
     return (scores - beta * (mask * kl).sum(-1)).detach()
 
 
-def kl_loss(logp, ref_logp, mask, kind, place, beta, num_tokens):
+def kl_loss(logp, ref_logp, mask, kind, place, beta, num_tokens, clamp="none"):
     """Scalar KL loss: beta * sum_{i,t} mask * KL_t / num_tokens for place loss/both (eq. 9), else 0."""
     _check(kind, place)
     if place not in ("loss", "both"):
         return logp.new_zeros(())
-    kl = estimate(logp, ref_logp.detach(), kind)
+    kl = estimate(logp, ref_logp.detach(), kind, clamp)
     # eq. 9: the path-wise term, beta * sum_t grad KL_t, token-normalized like the policy loss
     return beta * (mask * kl).sum() / num_tokens

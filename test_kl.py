@@ -38,12 +38,13 @@ def expected_loss_grad(m, kind, place, beta, scores=None):
     logp, ref_logp = m["logp"], m["ref_logp"]
     weight = logp.sum(-1, keepdim=True).exp().detach()  # pi(y): the weighted sum over all y is E_pi
     scores = torch.zeros(len(logp), dtype=f64) if scores is None else scores
-    mask = torch.ones_like(logp)
+    mask = m.get("mask", torch.ones_like(logp))
     returns = shape_rewards(scores, logp, ref_logp, mask, kind, place, beta)
     pg_loss, clip_frac = policy_loss(logp, logp.detach(), returns, weight * mask, num_tokens=1)
     assert clip_frac.item() == 0  # on-policy: nothing is clipped
     loss = pg_loss + kl_loss(logp, ref_logp, weight * mask, kind, place, beta, num_tokens=1)
-    return torch.stack(torch.autograd.grad(loss, (m["a"], m["b"]), retain_graph=True))
+    params = m["params"] if "params" in m else (m["a"], m["b"])
+    return torch.stack(torch.autograd.grad(loss, params, retain_graph=True))
 
 
 def references(m):
@@ -143,6 +144,123 @@ def test_estimate_values_and_k3_stability():
     assert ((k3 - exact).abs() / exact).max() < 1e-2
     assert ((naive - exact).abs() / exact).max() > 1e-1
     assert estimate(torch.zeros(3), torch.zeros(3), "k3").eq(0).all()
+
+
+# ---- variable lengths: the toy model with an end-of-sequence token ------------------------------------
+
+EOS = 2  # token code; 0 and 1 are the toy's binary tokens
+# (T, (a, b, e) of the policy, (a~, b~, e~) of the reference, beta)
+EOS_CASES = [(1, (0.3, 0.0, -1.0), (-0.4, 0.0, 0.5), 1.0), (3, (0.5, -0.2, -0.8), (0.0, -0.3, -1.5), 0.1),
+             (5, (-0.7, 0.4, -1.2), (0.2, 0.3, -0.6), 0.5)]
+
+
+def toy_with_eos(T, theta, ref):
+    """Every response of the toy model with a stop token: at each step EOS with probability sigmoid(e), else
+    y_t ~ Bernoulli(sigmoid(a + b c_{t-1})) (eq. 17). A response ends with its EOS (a token of the response,
+    as in train.py's response_mask) or at T tokens: sum_{k<T} 2^k + 2^T responses, padded to T."""
+    rows = [[*bits, EOS] for k in range(T) for bits in itertools.product([0, 1], repeat=k)]
+    rows += [list(bits) for bits in itertools.product([0, 1], repeat=T)]
+    tokens = torch.tensor([row + [0] * (T - len(row)) for row in rows], dtype=f64)
+    mask = torch.tensor([[1.0] * len(row) + [0.0] * (T - len(row)) for row in rows], dtype=f64)
+    y = (tokens == 1).double()
+    c = y.cumsum(-1) - y  # c_{t-1}
+    params = [torch.tensor(v, dtype=f64, requires_grad=True) for v in theta]
+
+    def next_token_logp(a, b, e):
+        """(responses, T, 3): log P(token v | prefix) for v = 0, 1, EOS at every position."""
+        z = a + b * c
+        keep = F.logsigmoid(-torch.as_tensor(e, dtype=f64))
+        return torch.stack([keep + F.logsigmoid(-z), keep + F.logsigmoid(z),
+                            F.logsigmoid(torch.as_tensor(e, dtype=f64)).expand_as(z)], -1)
+
+    dist, ref_dist = next_token_logp(*params), next_token_logp(*ref)
+    pick = lambda d: d.gather(-1, tokens.long()[..., None])[..., 0] * mask  # noqa: E731
+    return dict(params=params, mask=mask, dist=dist, ref_dist=ref_dist, logp=pick(dist), ref_logp=pick(ref_dist))
+
+
+def eos_references(m):
+    """Exact references for variable lengths, each a (3,) gradient in (a, b, e)."""
+    seq_logp, seq_ref = m["logp"].sum(-1), m["ref_logp"].sum(-1).detach()
+    pi, mask, params = seq_logp.exp(), m["mask"], m["params"]
+    grad = lambda f: torch.stack(torch.autograd.grad(f, params, retain_graph=True))  # noqa: E731
+    r = (m["ref_logp"] - m["logp"]).detach().exp() * mask  # r_t on response tokens, 0 on padding
+    # the token-level forward KL of each reached prefix, KL(pi_ref(.|y<t) || pi(.|y<t)), weighted by P(prefix)
+    forward_kl = (m["ref_dist"].exp() * (m["ref_dist"] - m["dist"])).sum(-1)
+    return dict(
+        kl=(pi * (seq_logp - seq_ref)).sum().detach(),
+        true=grad((pi * (seq_logp - seq_ref)).sum()),  # grad KL(pi || pi_ref), lengths varying
+        eq19=grad((pi.detach() * r.sum(-1) * seq_logp).sum()),  # E[sum_t r_t grad log pi(y)]
+        length=grad((pi * mask.sum(-1)).sum()),  # grad E[T]
+        eq41=grad((pi.detach()[:, None] * mask * forward_kl).sum()),
+    )
+
+
+@pytest.mark.parametrize("T, theta, ref, beta", EOS_CASES)
+def test_variable_lengths_table1(T, theta, ref, beta):
+    """Responses that end with EOS: the "-1" of K3 = r - 1 - log r sums to -T, so K3-in-reward picks up
+    -grad E[T] (zero when every response has the same length): grad KL + E[sum_t r_t grad log pi(y)] - grad E[T].
+    That equals grad KL minus the K3-in-loss gradient (eq. 45 holds as it stands); the other rows of Table 1
+    hold unchanged, and K1 and K3 stay unbiased estimates of the KL."""
+    m = toy_with_eos(T, theta, ref)
+    refs = eos_references(m)
+    grad = lambda kind, place: expected_loss_grad(m, kind, place, beta) / beta  # noqa: E731
+    pi = m["logp"].sum(-1).exp().detach()
+    for kind in ("k1", "k3"):
+        assert close((pi * (m["mask"] * estimate(m["logp"].detach(), m["ref_logp"], kind)).sum(-1)).sum(),
+                     refs["kl"])
+    assert close(grad("k1", "reward"), refs["true"])
+    assert close(grad("k1", "loss"), torch.zeros(3))
+    assert close(grad("k3", "loss"), refs["eq41"])
+    assert close(grad("k3", "reward"), refs["true"] + refs["eq19"] - refs["length"])
+    assert close(grad("k3", "reward"), refs["true"] - refs["eq41"])  # eq. 45
+    assert close(grad("k1", "both"), refs["true"]) and close(grad("k3", "both"), refs["true"])
+    # the fixed-length formula misses grad E[T], which is not small here (the stop logit e moves E[T]); with
+    # T = 1 every response has one token (EOS or a bit), E[T] = 1 and the two formulas agree
+    missed = (grad("k3", "reward") - refs["true"] - refs["eq19"]).abs().max()
+    assert missed > 1e-2 if T > 1 else missed < TOL
+
+
+def verl_low_var_kl(logprob, ref_logprob):
+    """verl's `kl_penalty` for "low_var_kl" (core_algos.py at 1dda039), written out as the reference."""
+    kl = ref_logprob - logprob
+    kl = torch.clamp(kl, min=-20, max=20)
+    ratio = torch.exp(kl)
+    kld = (ratio - kl - 1).contiguous()
+    return torch.clamp(kld, min=-10, max=10)
+
+
+def test_verl_clamp_values_and_gradients_at_the_boundaries():
+    """--kl-clamp verl: K3 equals verl's low_var_kl in value and gradient on both sides of each bound
+    (log r = +-20, K3 = 10), and K1/K2 are never clamped (verl does not clamp them either)."""
+    log_r = torch.tensor([-30.0, -20.5, -20.0, -19.5, -12.0, -11.0, -9.0, 0.0, 1e-3, 2.0, 2.5, 2.52, 2.6,
+                          3.0, 19.5, 20.0, 20.5, 30.0], dtype=f64)
+    logp = torch.zeros_like(log_r, requires_grad=True)
+    ours = estimate(logp, log_r, "k3", clamp="verl")
+    (grad,) = torch.autograd.grad(ours.sum(), logp)
+    logp_verl = torch.zeros_like(log_r, requires_grad=True)
+    theirs = verl_low_var_kl(logp_verl, log_r)
+    (grad_verl,) = torch.autograd.grad(theirs.sum(), logp_verl)
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, grad_verl, rtol=1e-12, atol=1e-12)
+    # by hand: past K3 = 10 (log r > ~2.53, or log r < -11) the value is 10 and the gradient 0; inside it is
+    # d/d logp (r - 1 - log r) = 1 - r; past |log r| = 20 the value stays 10
+    assert ours[log_r.abs() >= 12].eq(10).all() and grad[log_r.abs() >= 12].eq(0).all()
+    inside = (log_r > -9.5) & (log_r < 2.5)
+    torch.testing.assert_close(grad[inside], 1 - log_r[inside].exp())
+    # the exact default: no bound at all (pi = 1e-6, pi_ref = 0.1 gives K3 ~ 1e5)
+    exact = estimate(torch.tensor([1e-6]).log().double(), torch.tensor([0.1]).log().double(), "k3")
+    assert 9.9e4 < exact.item() < 1.0e5
+    assert estimate(torch.tensor([1e-6]).log().double(), torch.tensor([0.1]).log().double(), "k3", "verl") == 10
+    # K1 and K2 pass through unclamped; the clamp reaches shape_rewards and kl_loss
+    for kind in ("k1", "k2"):
+        assert torch.equal(estimate(logp, log_r, kind, "verl"), estimate(logp, log_r, kind))
+    mask, scores = torch.ones(1, len(log_r), dtype=f64), torch.zeros(1, dtype=f64)
+    assert torch.allclose(shape_rewards(scores, logp[None], log_r[None], mask, "k3", "reward", 1.0, "verl"),
+                          -theirs.sum().detach()[None])
+    loss = kl_loss(logp[None], log_r[None], mask, "k3", "loss", 1.0, 1, "verl")
+    torch.testing.assert_close(torch.autograd.grad(loss, logp)[0], grad_verl)
+    with pytest.raises(ValueError, match="none, verl"):
+        estimate(logp, log_r, "k3", clamp="openrlhf")
 
 
 def test_mask_weights_tokens_and_padding_is_ignored():

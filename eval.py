@@ -37,7 +37,8 @@ from tqdm import tqdm
 
 import data
 from reward import extract_boxed
-from rollout import generate
+from model import load_model, load_tokenizer, stop_token_ids
+from rollout import flash_attn_status, generate
 
 parser = argparse.ArgumentParser(description="mean@k evaluation of a model on verifiable tasks")
 parser.add_argument("--model", required=True, help="a save_pretrained directory, a hub id, or smollm2-135m")
@@ -103,13 +104,6 @@ def completion_record(example, index, sample, completion):
     return record
 
 
-def stop_token_ids(model, tokenizer):
-    """The ids that end a response, as HF generate and vLLM see them: the tokenizer's EOS and generation_config's."""
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    configured = configured if isinstance(configured, list) else [configured]
-    return sorted({tokenizer.eos_token_id, *configured} - {None})
-
-
 def evaluate(model, tokenizer, examples, samples=1, max_new_tokens=1024, temperature=1.0, top_p=1.0,
              batch_size=16, chat_template=True, seed=0, rank=0, world_size=1):
     """Sample `samples` completions per example, score them, return (metrics, completion records).
@@ -126,7 +120,7 @@ def evaluate(model, tokenizer, examples, samples=1, max_new_tokens=1024, tempera
     pairs = [(i, j) for i in range(len(examples)) for j in range(samples)]
     batches = [pairs[start:start + batch_size] for start in range(0, len(pairs), batch_size)]
     device = next(model.parameters()).device
-    eos_token_id = stop_token_ids(model, tokenizer)
+    eos_token_id = stop_token_ids(model, tokenizer, chat_template)
     records = []
     for b in tqdm(range(rank, len(batches), world_size), desc="eval", disable=rank != 0, leave=False):
         generator = torch.Generator(device=device).manual_seed(seed * 2**32 + b)  # batch b's own stream
@@ -148,8 +142,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.samples < 1 or args.batch_size < 1:
         parser.error("--samples and --batch-size must be at least 1")
-    from model import load_model, load_tokenizer  # here, so that train.py importing evaluate stays light
-
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
@@ -165,6 +157,8 @@ def main(argv=None):
     except (ValueError, OSError, RuntimeError) as error:
         parser.error((str(error) or type(error).__name__).splitlines()[0])
 
+    if device.type == "cuda" and rank == 0:
+        print(flash_attn_status()[1])
     out = Path(args.out)
     results, completions = {}, []
     for name, examples in tasks.items():

@@ -100,6 +100,40 @@ def load_tokenizer(name, trust_remote_code=False):
     return tokenizer
 
 
+def end_of_turn_id(tokenizer):
+    """The token that closes an assistant turn in the tokenizer's chat template, or None (no template, or one
+    that closes turns with plain text). Read from the template itself: render a turn around a sentinel text and
+    take the first special token after it (skipping whitespace), so it does not depend on what the tokenizer's
+    or the model's EOS happen to say."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    sentinel = "END-OF-TURN-SENTINEL"
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": sentinel}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that refuses this conversation (it raises from Jinja)
+        return None
+    if sentinel not in text:
+        return None
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    for token in tokenizer(text[text.rindex(sentinel) + len(sentinel):], add_special_tokens=False)["input_ids"]:
+        if token in special:
+            return token
+        if tokenizer.decode([token]).strip():
+            return None  # the turn ends with text, not a token
+    return None
+
+
+def stop_token_ids(model, tokenizer, chat_template=True):
+    """The ids that end a response: the tokenizer's EOS, the model's generation_config EOS (as HF generate and
+    vLLM stop) and, for chat prompts, the template's end-of-turn token. Plain "Question/Answer" prompts
+    (chat_template=False) open no turn, so only the EOS ids end them."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    configured = configured if isinstance(configured, list) else [configured]
+    end_of_turn = end_of_turn_id(tokenizer) if chat_template else None
+    return sorted({tokenizer.eos_token_id, *configured, end_of_turn} - {None})
+
+
 def load_model(name, dtype=torch.float32, trust_remote_code=False):
     """A causal LM in `dtype`, in eval mode (no dropout: sampler and trainer must see the same policy)."""
     model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype, trust_remote_code=trust_remote_code)

@@ -24,6 +24,7 @@ The exact variant:
   bf16/fp16; PyTorch's scaled_dot_product_attention over the same cache otherwise. SDPA has no per-row
   lengths, so each bucket of consecutive rows attends over the slots of its own longest row only.
 """
+import functools
 import importlib.util
 import sys
 from dataclasses import dataclass
@@ -58,6 +59,21 @@ class KVCache:
     v: torch.Tensor
     seqlens: torch.Tensor  # (rows,) int32: slots filled in each row
     flash: bool  # attend with flash_attn_with_kvcache (CUDA, bf16/fp16, flash-attn installed)
+
+
+@functools.cache
+def flash_attn_status():
+    """(usable, reason): whether flash-attn imports here, probed once. A wheel built for another torch or CUDA
+    is found by find_spec but fails on import; that must show at start-up, not inside the first decode after a
+    7B model has loaded. train.py and eval.py print the reason; generate() then uses SDPA."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return False, "flash-attn is not installed: decoding with PyTorch SDPA"
+    try:
+        from flash_attn import flash_attn_with_kvcache  # noqa: F401
+    except Exception as error:  # noqa: BLE001 - ImportError, OSError (undefined symbol), RuntimeError
+        message = (str(error).splitlines() or [type(error).__name__])[0]
+        return False, f"flash-attn is installed but does not import ({message}): decoding with PyTorch SDPA"
+    return True, "flash-attn imports: decoding with flash_attn_with_kvcache on CUDA"
 
 
 def flash_attention(q, k, v, k_cache, v_cache, seqlens, scale):
@@ -233,7 +249,7 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_tok
     head_dim = model.model.layers[0].self_attn.head_dim
     shape = (config.num_hidden_layers, num_rows, max_prompt + max_new_tokens, config.num_key_value_heads, head_dim)
     flash = (device.type == "cuda" and param.dtype in (torch.float16, torch.bfloat16)
-             and importlib.util.find_spec("flash_attn") is not None)
+             and flash_attn_status()[0])
     cache = KVCache(
         k=torch.zeros(shape, dtype=param.dtype, device=device),  # zeros: masked slots must not be NaN
         v=torch.zeros(shape, dtype=param.dtype, device=device),

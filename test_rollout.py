@@ -2,6 +2,7 @@
 log-probs, on tiny random models of each family (CPU, fp32) and on SmolLM2-135M when installed."""
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -230,6 +231,26 @@ def test_bad_input_raises():
             generate(**args)
 
 
+def test_a_flash_attn_that_does_not_import_is_reported_once(tmp_path, monkeypatch):
+    """A flash-attn wheel built for another torch is found by find_spec but fails on import: the probe says so
+    in one line (before any model loads), and generate still runs, on SDPA."""
+    import rollout
+
+    broken = tmp_path / "flash_attn"
+    broken.mkdir()
+    (broken / "__init__.py").write_text("raise ImportError('undefined symbol: _ZN3c104cuda9SetDevice')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    rollout.flash_attn_status.cache_clear()
+    try:
+        usable, reason = rollout.flash_attn_status()
+        assert not usable and "installed but does not import (undefined symbol" in reason and "\n" not in reason
+        out = generate(tiny_model("llama3"), [[1, 2, 3]], max_new_tokens=4, temperature=0)
+        assert out.tokens.shape == (1, 4)
+    finally:
+        rollout.flash_attn_status.cache_clear()
+
+
 DATA = Path(__file__).parent.parent / "shared" / "data"
 
 
@@ -265,22 +286,24 @@ def test_smollm2_greedy_and_logprobs(smollm2):
 
 
 def test_smollm2_bf16_runs(smollm2):
+    """Our bf16 sampler against the fp32 model's full forward pass of the same tokens. bf16 rounding differs
+    across CPUs (AVX512-BF16 vs AVX2, where bf16 is emulated) and moves single rare tokens by up to ~0.3, so no
+    per-token bound holds everywhere. Measured over 3 seeds x 3 prompts x 16 tokens: mean |difference| 0.022-0.044
+    and 90th percentile 0.06-0.09 on both kinds of CPU (AVX512-BF16, and ATEN_CPU_CAPABILITY=avx2
+    ONEDNN_MAX_CPU_ISA=AVX2); positions off by one give a mean of 0.26-0.51 and a 90th percentile of 0.65-0.91,
+    a temperature off by 10% 0.16-0.19 and 0.29-0.43. The bounds sit in between."""
     from model import load_model
 
-    _, prompts, eos = smollm2
+    fp32_model, prompts, eos = smollm2
     model = load_model("smollm2-135m", dtype=torch.bfloat16)
-    out = generate(model, prompts, max_new_tokens=8, temperature=1.0, eos_token_id=eos,
+    out = generate(model, prompts, max_new_tokens=16, temperature=1.0, eos_token_id=eos,
                    generator=torch.Generator().manual_seed(0))
     assert out.token_logprobs.dtype == torch.float32 and torch.isfinite(out.token_logprobs).all()
     assert out.tokens.dtype == torch.long and out.tokens.max() < model.config.vocab_size
-    # bf16 rounding differs between the two paths (in a full forward pass vs ours, each token's log-prob moves by
-    # ~0.005 on average, up to ~0.3 on rare tokens): every token within 0.15 + 2% of |log-prob| (the rounding of
-    # a large negative logit gap), and the mean difference small, which a real bug (a wrong position, mask or
-    # temperature) would not meet
     differences = []
     for row, prompt in enumerate(prompts):
-        logp, response = reference_logprobs(model, prompt, out.response_ids[row])
+        logp, response = reference_logprobs(fp32_model, prompt, out.response_ids[row])
         expected = logp.gather(-1, response[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(out.logprobs[row]), expected, atol=0.15, rtol=0.02)
         differences += (torch.tensor(out.logprobs[row]) - expected).abs().tolist()
-    assert sum(differences) / len(differences) < 0.05, differences
+    differences = torch.tensor(differences)
+    assert differences.mean() < 0.08 and differences.quantile(0.9) < 0.2, differences

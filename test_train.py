@@ -71,39 +71,45 @@ QUESTIONS = ["Which letter comes after A?", "Which letter comes before C?", "Whi
 REWARDED, WRONG = "\\boxed B", "\\boxed A"
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny random Llama (real tokenizer) wired as a bigram chain: after the prompt's last token it writes
-    `\\boxed X` and EOS, X one of A, B, C, D at random. So the choice questions below are answered right a
-    quarter of the time at first, and learning them means moving one distribution over four letters."""
+def chain_llama(tokenizer, chain):
+    """A tiny random Llama wired as a bigram chain: after token t it samples uniformly among chain[t]. Each token
+    of the chain gets a hidden unit of its own (value 8, the rest 0), which the small random attention and MLP
+    outputs barely move; the output layer maps that unit to the chain's next token(s) with a logit of ~40, so
+    nothing else is ever sampled."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    import data
-    from model import load_tokenizer
-
-    path = tmp_path_factory.mktemp("tiny")
-    tokenizer = load_tokenizer("smollm2-135m")
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
     model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        embedding, head = model.model.embed_tokens.weight, model.lm_head.weight
+        embedding[:, :len(chain) + 1] = 0.0
+        for unit, (token, following) in enumerate(chain.items(), start=1):
+            embedding[token] = 0.0
+            embedding[token, unit] = 8.0
+            head[following, unit] = 10.0
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The chain model after the prompt's last token writes `\\boxed X` and EOS, X one of A, B, C, D at random.
+    So the choice questions below are answered right a quarter of the time at first, and learning them means
+    moving one distribution over four letters."""
+    import data
+    from model import load_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny")
+    tokenizer = load_tokenizer("smollm2-135m")
     ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     newline, backslash, box, ed = ids("assistant\n")[-1:] + ids("\\boxed")
     letters = [ids(f" {letter}")[0] for letter in "ABCD"]
     chain = {newline: [backslash], backslash: [box], box: [ed], ed: letters,
              **{letter: [tokenizer.eos_token_id] for letter in letters}}
-    with torch.no_grad():
-        # each token of the chain gets a hidden unit of its own (value 8, the rest 0), which the small random
-        # attention and MLP outputs barely move; the output layer maps that unit to the chain's next token(s)
-        # with a logit of ~40, so nothing else is ever sampled
-        embedding, head = model.model.embed_tokens.weight, model.lm_head.weight
-        embedding[:, :9] = 0.0
-        for unit, (token, following) in enumerate(chain.items(), start=1):
-            embedding[token] = 0.0
-            embedding[token, unit] = 8.0
-            head[following, unit] = 10.0
+    model = chain_llama(tokenizer, chain)
     model.save_pretrained(path / "model")
     tokenizer.save_pretrained(path / "model")
     task = path / "choice.jsonl"
@@ -181,7 +187,7 @@ def test_packed_logprobs_equal_one_forward_per_sequence():
     responses = torch.randint(0, 64, (6, 5))
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1],
                          [1, 1, 1, 0, 0]], dtype=torch.float32)
-    logp, entropy = token_logprobs(model, prompts, responses, mask, 0.7, torch.float32)
+    logp, entropy = token_logprobs(model, prompts, responses, mask, 0.7, torch.float32, entropy=True)
     grad = torch.autograd.grad(logp.sum(), list(model.parameters()))
     expected_logp, expected_entropy, expected_grad = torch.zeros(6, 5), torch.zeros(6, 5), 0
     for row, prompt in enumerate(prompts):
@@ -305,12 +311,108 @@ def test_non_finite_updates_are_skipped_then_stop(tiny, tmp_path):
     assert not (tmp_path / "step_4").exists()
 
 
+@pytest.mark.parametrize("logprob_dtype, floor", [("float32", 1e-5), ("bfloat16", None)])
+def test_bf16_compute_keeps_kl_and_ratio_at_the_fp32_floor(tiny, tmp_path, logprob_dtype, floor):
+    """With bf16 compute, the no-grad passes that feed the KL and the ratio (old policy, reference) are fp32 by
+    default: equal to a float64 recomputation to 1e-5. --logprob-dtype bfloat16 (the fast way) is off by the
+    rounding of logits near 40 (bf16 spacing 0.25 there): far above the floor, which is what the flag trades."""
+    from model import load_model
+    from train import token_logprobs
+
+    run = train(flags(tiny, tmp_path, "--steps", "2", "--dtype", "bfloat16", "--logprob-dtype", logprob_dtype,
+                      "--kl", "k3", "--place", "loss", "--lr", "1e-3", "--save-every", "1"))
+    exact = {}  # step 2's log-probs recomputed in float64: the policy as step 1 left it, and the reference
+    for name, path in (("policy", tmp_path / "step_1"), ("reference", tiny["model"])):
+        with torch.no_grad():
+            exact[name] = token_logprobs(load_model(str(path), torch.float64), run["prompts"], run["tokens"],
+                                         run["mask"], 1.0, torch.float32)[0]
+    error = max((run["old_logp"] - exact["policy"]).abs().max(), (run["ref_logp"] - exact["reference"]).abs().max())
+    if floor is None:
+        assert error > 1e-3, error  # the rounding the default removes (0.006 here)
+    else:
+        assert error < floor, error
+        assert metrics(tmp_path)[1]["kl_k3"] > 0
+
+
+def test_bf16_gradient_pass_takes_its_values_from_the_fp32_pass(tiny, tmp_path):
+    """The gradient pass runs in bf16, but the values of its log-probs (so K_t of the KL in the loss and the
+    ratio) are the fp32 pass's: the logged KL loss is exactly beta * the fp32 K3 per token."""
+    train(flags(tiny, tmp_path, "--steps", "3", "--dtype", "bfloat16", "--kl", "k3", "--place", "loss",
+                "--beta", "0.5", "--lr", "1e-2"))
+    for row in metrics(tmp_path)[1:]:
+        assert row["kl_k3"] > 1e-4
+        assert row["kl_loss"] == pytest.approx(0.5 * row["kl_k3"] / row["response_len"], rel=1e-5)
+    # off-policy minibatches: each minibatch after the first gets its own fp32 pass under the updated weights
+    run = train(flags(tiny, tmp_path / "minibatches", "--steps", "2", "--dtype", "bfloat16", "--kl", "k3",
+                      "--place", "loss", "--minibatches", "2", "--micro-batch", "3", "--lr", "1e-2"))
+    from train import token_logprobs
+
+    rows = run["minibatch"]
+    with torch.no_grad():
+        expected = token_logprobs(run["policy"], [run["prompts"][r] for r in rows], run["tokens"][rows],
+                                  run["mask"][rows], 1.0, torch.float32)[0]
+    assert not torch.equal(run["exact_logp"], run["old_logp"][rows])  # the weights moved after minibatch 1
+    # the last minibatch's values are the fp32 log-probs of the weights it was computed with; the policy has
+    # taken that minibatch's step since, so they differ from a pass now, but only by that step
+    assert (run["exact_logp"] - expected).abs().max() < 0.5
+    assert all(row["skipped"] == 0 and row["clip_frac"] >= 0 for row in metrics(tmp_path / "minibatches"))
+
+
+def test_sampler_shares_fp32_weights_and_keeps_fp32_buffers(tiny, tmp_path):
+    """fp32: the policy itself samples (no second copy). bf16: a bf16 copy of the weights whose buffers (the
+    rotary frequencies) stay fp32 and equal the policy's, so the sampler's positions are the trainer's."""
+    run = train(flags(tiny, tmp_path / "fp32", "--steps", "1", "--place", "none"))
+    assert run["sampler"] is run["policy"]
+    run = train(flags(tiny, tmp_path / "bf16", "--steps", "1", "--place", "none", "--dtype", "bfloat16"))
+    sampler, policy = run["sampler"], run["policy"]
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in sampler.parameters())
+    buffers = dict(policy.named_buffers())
+    for name, buffer in sampler.named_buffers():
+        assert buffer.dtype == buffers[name].dtype and torch.equal(buffer, buffers[name]), name
+    for name, param in policy.named_parameters():  # refreshed after the step
+        assert torch.equal(sampler.get_parameter(name), param.detach().bfloat16()), name
+
+
+def test_runs_never_mix(tiny, tmp_path, monkeypatch):
+    """The default --out names task, model, estimator, place, beta and seed; a non-empty --out needs --resume;
+    --resume refuses a checkpoint whose run-defining flags differ, and says which."""
+    monkeypatch.chdir(tmp_path)
+    base = [*flags(tiny, "unused")[:-2], "--steps", "1"]  # no --out
+    train(base)
+    train([*base, "--seed", "1"])
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == \
+        ["choice-model-k1-in-both-0.1-seed0", "choice-model-k1-in-both-0.1-seed1"]
+    with pytest.raises(SystemExit, match="is not empty: pass --resume"):
+        train([*base, "--seed", "1"])
+    with pytest.raises(SystemExit, match=r"other flags \(--seed: 0 -> 1\)"):
+        train([*base, "--out", "runs/choice-model-k1-in-both-0.1-seed0", "--seed", "1", "--resume"])
+    with pytest.raises(SystemExit, match=r"--beta: 0.1 -> 0.2; --lr: 1e-05 -> 0.001"):
+        train([*base, "--out", "runs/choice-model-k1-in-both-0.1-seed0", "--beta", "0.2", "--lr", "1e-3",
+               "--resume"])
+    # what does not change the run may change: more steps, another micro-batch
+    train([*base, "--out", "runs/choice-model-k1-in-both-0.1-seed0", "--steps", "2", "--micro-batch", "3",
+           "--resume"])
+    assert [row["step"] for row in metrics(tmp_path / "runs/choice-model-k1-in-both-0.1-seed0")] == [1, 2]
+
+
+def test_a_rank_that_must_stop_stops_every_rank(tiny, tmp_path):
+    """torchrun x2 resuming from a checkpoint that lacks rank 1's RNG state: both ranks stop with the message
+    (rank 0 does not go on alone into a collective that rank 1 never joins)."""
+    result = run_module(flags(tiny, tmp_path, "--steps", "1"), procs=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (tmp_path / "final" / "rng_rank1.pt").unlink()
+    result = run_module(flags(tiny, tmp_path, "--steps", "2", "--resume"), procs=2)
+    assert result.returncode != 0
+    assert result.stderr.count("rng_rank1.pt is missing: the checkpoint is incomplete") == 2, result.stderr[-3000:]
+
+
 @pytest.mark.parametrize("bad, named", [
     (["--group-size", "1"], "--group-size"),
     (["--beta", "-0.1"], "--beta"),
     (["--model", "/no/such/model"], "/no/such/model"),
     (["--model", "nobody/no-such-model"], "nobody/no-such-model"),  # a hub id, offline
     (["--task", "no-such-task"], "no-such-task"),
+    (["--top-p", "0.9"], "--top-p < 1"),
 ])
 def test_bad_flags_fail_with_one_line(tiny, tmp_path, bad, named):
     with pytest.raises(SystemExit) as error:

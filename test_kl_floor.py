@@ -1,0 +1,47 @@
+"""kl_floor.py on a tiny random Llama: fp32 log-probs reach the true log-ratios, bf16 ones do not, and the
+bf16 grid counter is right. (The embedded model's table is in docs/precision.md.)"""
+import copy
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kl_floor import bf16_grid, floor_row, fp32_head
+
+
+def tiny_pair(eps=1e-6):
+    """A tiny Llama with logits of real models' size (~20-30) and a copy moved by +-eps per weight."""
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    with torch.no_grad():
+        reference.lm_head.weight.mul_(60.0)
+    policy = copy.deepcopy(reference)
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.add_(eps * (torch.randint(0, 2, param.shape).float() * 2 - 1))
+    return policy.requires_grad_(False), reference.requires_grad_(False)
+
+
+def test_fp32_reaches_the_truth_and_bf16_does_not():
+    policy, reference = tiny_pair()
+    prompts = [[5, 9, 2, 7], [5, 9, 2, 7], [3, 4]]
+    responses = torch.randint(0, 128, (3, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, 40)
+    truth = floor_row(copy.deepcopy(policy).double(), copy.deepcopy(reference).double(), prompts, responses,
+                      mask, torch.float32)
+    fp32 = floor_row(policy, reference, prompts, responses, mask, torch.float32)
+    bf16 = floor_row(policy, reference, prompts, responses, mask, torch.bfloat16)
+    assert abs(fp32[0] - truth[0]) < 0.1 * truth[0] and abs(fp32[1] - truth[1]) < 1e-4
+    assert bf16[0] > 20 * truth[0] and abs(bf16[2]) > 100 * abs(truth[2])  # 70x and 5000x here
+    with fp32_head(policy), fp32_head(reference):
+        head32 = floor_row(policy, reference, prompts, responses, mask, torch.bfloat16)
+    assert head32[0] > 10 * truth[0]  # an fp32 head alone does not remove the floor
+    assert floor_row(policy, reference, prompts, responses, mask, torch.bfloat16) == bf16  # head restored
+
+
+def test_bf16_grid_counts_exact_weights_and_ties():
+    model = torch.nn.Linear(2, 2, bias=False)
+    bits = torch.tensor([[0x3F800000, 0x3F808000], [0x3F800001, 0x3F818000]], dtype=torch.int32)
+    with torch.no_grad():
+        model.weight.copy_(bits.view(torch.float32))  # 1.0 exact, a tie, neither, a tie
+    assert bf16_grid(model) == (0.25, 0.5)

@@ -109,7 +109,8 @@ def evaluate(model, tokenizer, examples, samples=1, max_new_tokens=1024, tempera
     """Sample `samples` completions per example, score them, return (metrics, completion records).
 
     Every rank must call this with the same arguments (it all-gathers); all ranks return the same result.
-    Pass a plain model (model.module under DDP).
+    Pass a plain model (model.module under DDP). chat_template=False: plain "Question/Answer" prompts
+    (--no-chat-template); responses stop at model.stop_token_ids either way (EOS and the end of turn).
     """
     if not examples:
         raise ValueError("evaluate: no examples (is --limit 0 or the task file empty?)")
@@ -120,7 +121,7 @@ def evaluate(model, tokenizer, examples, samples=1, max_new_tokens=1024, tempera
     pairs = [(i, j) for i in range(len(examples)) for j in range(samples)]
     batches = [pairs[start:start + batch_size] for start in range(0, len(pairs), batch_size)]
     device = next(model.parameters()).device
-    eos_token_id = stop_token_ids(model, tokenizer, chat_template)
+    eos_token_id = stop_token_ids(model, tokenizer)  # EOS and the template's end of turn, plain prompts too
     records = []
     for b in tqdm(range(rank, len(batches), world_size), desc="eval", disable=rank != 0, leave=False):
         generator = torch.Generator(device=device).manual_seed(seed * 2**32 + b)  # batch b's own stream

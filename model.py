@@ -100,38 +100,63 @@ def load_tokenizer(name, trust_remote_code=False):
     return tokenizer
 
 
+SENTINEL = "END-OF-TURN-SENTINEL"  # the assistant's text in the conversations end_of_turn_id renders
+# an assistant turn last; then one with a user turn after it (a template may close a turn only then,
+# or raise unless the conversation ends with the user)
+SENTINEL_CONVERSATIONS = (
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": SENTINEL}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": SENTINEL},
+     {"role": "user", "content": "Hi"}],
+)
+
+
 def end_of_turn_id(tokenizer):
-    """The token that closes an assistant turn in the tokenizer's chat template, or None (no template, or one
-    that closes turns with plain text). Read from the template itself: render a turn around a sentinel text and
-    take the first special token after it (skipping whitespace), so it does not depend on what the tokenizer's
-    or the model's EOS happen to say."""
+    """The token that closes an assistant turn in the tokenizer's chat template, or None: no template,
+    a template that raises on a user/assistant conversation, or one that closes turns with plain text.
+
+    Read from the template itself, not from whichever EOS the tokenizer or the model names: render an
+    assistant turn holding a sentinel text and take the first token after it, skipping whitespace, if
+    it is a special or added token: <|im_end|> (ChatML), <|eot_id|> (Llama-3), <end_of_turn> (Gemma),
+    <|end|> (Phi-3), </s> (Mistral, Llama-2). A turn followed by whitespace only is rendered again with
+    a user turn after it, so a template that only separates turns gives the token opening the next."""
     if not getattr(tokenizer, "chat_template", None):
         return None
-    sentinel = "END-OF-TURN-SENTINEL"
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": sentinel}]
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
-    except Exception:  # noqa: BLE001 - a template that refuses this conversation (it raises from Jinja)
-        return None
-    if sentinel not in text:
-        return None
-    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-    for token in tokenizer(text[text.rindex(sentinel) + len(sentinel):], add_special_tokens=False)["input_ids"]:
-        if token in special:
-            return token
-        if tokenizer.decode([token]).strip():
-            return None  # the turn ends with text, not a token
+    markers = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
+    for messages in SENTINEL_CONVERSATIONS:
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+        except Exception:  # noqa: BLE001 - Jinja may raise anything (raise_exception, a missing key)
+            continue
+        if not isinstance(text, str) or SENTINEL not in text:
+            continue  # the template dropped or rewrote the assistant's text
+        after = text[text.index(SENTINEL) + len(SENTINEL):]
+        for token in tokenizer(after, add_special_tokens=False)["input_ids"]:
+            if not tokenizer.decode([token]).strip():
+                continue  # whitespace, as in "<|im_end|>" + "\n" or " " + "</s>"
+            return token if token in markers else None  # else the turn ends with plain text
     return None
 
 
-def stop_token_ids(model, tokenizer, chat_template=True):
-    """The ids that end a response: the tokenizer's EOS, the model's generation_config EOS (as HF generate and
-    vLLM stop) and, for chat prompts, the template's end-of-turn token. Plain "Question/Answer" prompts
-    (chat_template=False) open no turn, so only the EOS ids end them."""
+def stop_token_ids(model, tokenizer):
+    """The sorted ids that end a response: the tokenizer's EOS, the model's generation_config EOS (an
+    int or a list: where HF generate and vLLM stop) and the chat template's end of turn
+    (`end_of_turn_id`), so a response ends where the chat turn ends whatever the EOS files say.
+
+    The end of turn stops plain "Question/Answer" prompts (--no-chat-template) too: it is a control
+    token with no place in a plain answer; what a model writes after it is an invented next turn that
+    decoding (which drops special tokens) would glue to the answer, and the reward would score its last
+    box. Stopping there costs a model that never writes it nothing, while EOS-only stops would again
+    depend on which EOS the model's files happen to name (Qwen2.5 base stops at <|im_end|> only
+    because its tokenizer names it)."""
+    if tokenizer is None:
+        raise ValueError("stop_token_ids needs a tokenizer, got None")
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    configured = configured if isinstance(configured, list) else [configured]
-    end_of_turn = end_of_turn_id(tokenizer) if chat_template else None
-    return sorted({tokenizer.eos_token_id, *configured, end_of_turn} - {None})
+    configured = list(configured) if isinstance(configured, (list, tuple)) else [configured]
+    ids = {tokenizer.eos_token_id, *configured, end_of_turn_id(tokenizer)} - {None}
+    if not ids:
+        raise ValueError("no stop id: the tokenizer, the model's generation_config and the chat "
+                         "template name no end token, so every response would run to its length cap")
+    return sorted(int(i) for i in ids)
 
 
 def load_model(name, dtype=torch.float32, trust_remote_code=False):

@@ -326,7 +326,8 @@ def test_bf16_compute_keeps_kl_and_ratio_at_the_fp32_floor(tiny, tmp_path, logpr
         with torch.no_grad():
             exact[name] = token_logprobs(load_model(str(path), torch.float64), run["prompts"], run["tokens"],
                                          run["mask"], 1.0, torch.float32)[0]
-    error = max((run["old_logp"] - exact["policy"]).abs().max(), (run["ref_logp"] - exact["reference"]).abs().max())
+    error = max((run["old_logp"] - exact["policy"]).abs().max(),
+                (run["ref_logp"] - exact["reference"]).abs().max())
     if floor is None:
         assert error > 1e-3, error  # the rounding the default removes (0.006 here)
     else:

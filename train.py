@@ -376,10 +376,10 @@ if __name__ == "__main__":
                      for name in (args.eval_tasks or args.task).split(",")} if args.eval_every else {}
         tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
         policy = load_model(str(checkpoint or args.model), torch.float32, args.trust_remote_code)
+        eos_token_id = stop_token_ids(policy, tokenizer)  # EOS and the chat template's end of turn
     except (OSError, ValueError, HubUnreachable) as caught:
         error = str(caught).splitlines()[0] if str(caught) else type(caught).__name__
     stop_if_any_rank(error)
-    eos_token_id = stop_token_ids(policy, tokenizer)  # EOS and the chat template's end of turn
     # the sampler: the policy's weights in the compute dtype, used only by rollout.generate and eval
     sampler = make_sampler(policy, device, dtype, args.fsdp)
     if args.grad_checkpointing:

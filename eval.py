@@ -26,7 +26,6 @@ completions and numbers (which do depend on seed and batch_size).
 import argparse
 import json
 import math
-import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -36,6 +35,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import data
+import runtime
 from reward import extract_boxed
 from model import load_model, load_tokenizer, stop_token_ids
 from rollout import flash_attn_status, generate
@@ -51,7 +51,7 @@ parser.add_argument("--no-chat-template", action="store_true", help="plain-text 
 parser.add_argument("--batch-size", type=int, default=16, help="sequences per generate call")
 parser.add_argument("--seed", type=int, default=0, help="sampling seed (the problems do not depend on it)")
 parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                    help="model dtype; auto = bfloat16 on CUDA, float32 on CPU")
+                    help="model dtype; auto = bf16 where the device computes it natively (runtime.py)")
 
 BREAKDOWNS = ("subject", "level")  # example fields that get a per-value breakdown
 
@@ -143,18 +143,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.samples < 1 or args.batch_size < 1:
         parser.error("--samples and --batch-size must be at least 1")
-    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world_size > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    rank, world_size, device, dtype = runtime.start(args.dtype)
     try:  # problems first (fast, and they name bad task names), then the model
         tasks = {name: data.load_task(name, split="test", limit=args.limit) for name in args.tasks.split(",")}
         tokenizer = load_tokenizer(args.model)
-        model = load_model(args.model, dtype=getattr(torch, dtype)).to(device)
+        model = load_model(args.model, dtype=dtype).to(device)
     except (ValueError, OSError, RuntimeError) as error:
         parser.error((str(error) or type(error).__name__).splitlines()[0])
 
@@ -179,8 +172,7 @@ def main(argv=None):
             (out / "eval.json").write_text(json.dumps(results, indent=2) + "\n")
             with open(out / "completions.jsonl", "w") as file:
                 file.writelines(json.dumps(record) + "\n" for record in completions)
-    if world_size > 1:
-        dist.destroy_process_group()
+    runtime.finish()
 
 
 if __name__ == "__main__":

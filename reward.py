@@ -54,7 +54,88 @@ def extract_boxed(text):
     return None  # unbalanced: the box never closes
 
 
-# ---- math: math-verify in a helper process -------------------------------------------------------
+# ---- math (math-verify) ----------------------------------------------------------------------------
+
+def math_reward(completion, answer):
+    """1.0 when the last boxed answer of `completion` equals `answer` per math-verify, else 0.0 (also when
+    the comparison runs out of its TIMEOUT_S CPU seconds)."""
+    prediction = extract_boxed(completion)
+    if prediction is None or len(prediction) > MAX_ANSWER_CHARS or answer is None or not str(answer).strip():
+        return 0.0
+    proc = _helper()  # raises only when math-verify cannot start at all: a broken install, not an answer
+    try:
+        proc.stdin.write(json.dumps([str(answer), prediction]) + "\n")
+        proc.stdin.flush()
+        return 1.0 if _readline(proc, WALL_TIMEOUT_S) == "1" else 0.0
+    except Exception:  # a dead helper, a broken pipe: no reward, and the next call starts a fresh helper
+        return 0.0
+
+
+# ---- multiple choice -------------------------------------------------------------------------------
+
+def choice_reward(completion, answer):
+    """1.0 when the last box holds the letter `answer` ("B", or index 1): B, (B), \\text{B}, "B) text"."""
+    try:
+        letter = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"[answer] if isinstance(answer, int) else str(answer).strip()
+        boxed = extract_boxed(completion)
+        if boxed is None:
+            return 0.0
+        boxed = re.sub(r"\\(?:text|textbf|mathrm|mathbf)\s*\{([^{}]*)\}", r"\1", boxed[:MAX_ANSWER_CHARS])
+        match = re.match(r"\s*\(?([A-Z])\)?(?=$|[\s.:)])", boxed)
+        return 1.0 if match is not None and match.group(1) == letter else 0.0
+    except Exception:
+        return 0.0
+
+
+# ---- countdown ---------------------------------------------------------------------------------------
+
+_ALLOWED = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.USub)
+
+
+def _value(node):
+    """Exact value of a whitelisted arithmetic tree (Fractions, so 6 / 4 * 2 == 3 exactly)."""
+    if isinstance(node, ast.Constant):
+        return Fraction(node.value)
+    if isinstance(node, ast.UnaryOp):
+        return -_value(node.operand)
+    left, right = _value(node.left), _value(node.right)
+    if isinstance(node.op, ast.Add):
+        return left + right
+    if isinstance(node.op, ast.Sub):
+        return left - right
+    if isinstance(node.op, ast.Mult):
+        return left * right
+    return left / right  # ZeroDivisionError is caught by the caller
+
+
+def countdown_reward(completion, numbers, target):
+    """1.0 when the expression in the last <answer>...</answer> (else the last box) uses each of `numbers`
+    exactly once, only integers and + - * / ( ), and equals `target`; else 0.0."""
+    try:
+        if not isinstance(completion, str):
+            return 0.0
+        close = completion.rfind("</answer>")
+        start = completion.rfind("<answer>", 0, max(close, 0))
+        expression = completion[start + 8 : close] if start >= 0 else extract_boxed(completion)
+        if expression is None:
+            return 0.0
+        expression = expression.replace("\\times", "*").replace("\\cdot", "*").replace("\\div", "/")
+        expression = expression.split("=")[0]  # "25 + 3 * 5 = 40" states its value; keep the left side
+        if len(expression) > MAX_EXPRESSION_CHARS or not re.fullmatch(r"[\d\s+\-*/()]+", expression):
+            return 0.0  # also rules out names, calls, attributes, strings before ast sees them
+        tree = ast.parse(expression.strip(), mode="eval")
+        nodes = list(ast.walk(tree))
+        if not all(isinstance(node, _ALLOWED) for node in nodes):
+            return 0.0  # e.g. ** or // (Pow, FloorDiv)
+        used = sorted(node.value for node in nodes if isinstance(node, ast.Constant))
+        if not all(type(v) is int for v in used) or used != sorted(int(n) for n in numbers):
+            return 0.0  # every number exactly once; this also bounds the size of what we compute
+        return 1.0 if _value(tree.body) == Fraction(target) else 0.0
+    except Exception:  # SyntaxError, ZeroDivisionError, RecursionError, ...
+        return 0.0
+
+
+# ---- the math-verify helper process: math_reward's sympy work, bounded in time ----------------
 
 WARM_UP = [("1", "1"), (r"\frac{1}{2}", "0.5"), ("x = 3", "3"), ("(x+1)^2", "x^2+2x+1"),
            (r"\left[ \frac{\pi^2}{8}, \frac{5 \pi^2}{4} \right]", r"[\pi^2/8, 5\pi^2/4]"),
@@ -140,85 +221,6 @@ def _readline(proc, timeout):
 def _stop_helpers():
     for proc in _helpers:
         proc.kill()
-
-
-def math_reward(completion, answer):
-    """1.0 when the last boxed answer of `completion` equals `answer` per math-verify, else 0.0 (also when
-    the comparison runs out of its TIMEOUT_S CPU seconds)."""
-    prediction = extract_boxed(completion)
-    if prediction is None or len(prediction) > MAX_ANSWER_CHARS or answer is None or not str(answer).strip():
-        return 0.0
-    proc = _helper()  # raises only when math-verify cannot start at all: a broken install, not an answer
-    try:
-        proc.stdin.write(json.dumps([str(answer), prediction]) + "\n")
-        proc.stdin.flush()
-        return 1.0 if _readline(proc, WALL_TIMEOUT_S) == "1" else 0.0
-    except Exception:  # a dead helper, a broken pipe: no reward, and the next call starts a fresh helper
-        return 0.0
-
-
-# ---- multiple choice -------------------------------------------------------------------------------
-
-def choice_reward(completion, answer):
-    """1.0 when the last box holds the letter `answer` ("B", or index 1): B, (B), \\text{B}, "B) text"."""
-    try:
-        letter = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"[answer] if isinstance(answer, int) else str(answer).strip()
-        boxed = extract_boxed(completion)
-        if boxed is None:
-            return 0.0
-        boxed = re.sub(r"\\(?:text|textbf|mathrm|mathbf)\s*\{([^{}]*)\}", r"\1", boxed[:MAX_ANSWER_CHARS])
-        match = re.match(r"\s*\(?([A-Z])\)?(?=$|[\s.:)])", boxed)
-        return 1.0 if match is not None and match.group(1) == letter else 0.0
-    except Exception:
-        return 0.0
-
-
-# ---- countdown ---------------------------------------------------------------------------------------
-
-_ALLOWED = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.USub)
-
-
-def _value(node):
-    """Exact value of a whitelisted arithmetic tree (Fractions, so 6 / 4 * 2 == 3 exactly)."""
-    if isinstance(node, ast.Constant):
-        return Fraction(node.value)
-    if isinstance(node, ast.UnaryOp):
-        return -_value(node.operand)
-    left, right = _value(node.left), _value(node.right)
-    if isinstance(node.op, ast.Add):
-        return left + right
-    if isinstance(node.op, ast.Sub):
-        return left - right
-    if isinstance(node.op, ast.Mult):
-        return left * right
-    return left / right  # ZeroDivisionError is caught by the caller
-
-
-def countdown_reward(completion, numbers, target):
-    """1.0 when the expression in the last <answer>...</answer> (else the last box) uses each of `numbers`
-    exactly once, only integers and + - * / ( ), and equals `target`; else 0.0."""
-    try:
-        if not isinstance(completion, str):
-            return 0.0
-        close = completion.rfind("</answer>")
-        start = completion.rfind("<answer>", 0, max(close, 0))
-        expression = completion[start + 8 : close] if start >= 0 else extract_boxed(completion)
-        if expression is None:
-            return 0.0
-        expression = expression.replace("\\times", "*").replace("\\cdot", "*").replace("\\div", "/")
-        expression = expression.split("=")[0]  # "25 + 3 * 5 = 40" states its value; keep the left side
-        if len(expression) > MAX_EXPRESSION_CHARS or not re.fullmatch(r"[\d\s+\-*/()]+", expression):
-            return 0.0  # also rules out names, calls, attributes, strings before ast sees them
-        tree = ast.parse(expression.strip(), mode="eval")
-        nodes = list(ast.walk(tree))
-        if not all(isinstance(node, _ALLOWED) for node in nodes):
-            return 0.0  # e.g. ** or // (Pow, FloorDiv)
-        used = sorted(node.value for node in nodes if isinstance(node, ast.Constant))
-        if not all(type(v) is int for v in used) or used != sorted(int(n) for n in numbers):
-            return 0.0  # every number exactly once; this also bounds the size of what we compute
-        return 1.0 if _value(tree.body) == Fraction(target) else 0.0
-    except Exception:  # SyntaxError, ZeroDivisionError, RecursionError, ...
-        return 0.0
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--serve"]:

@@ -1,8 +1,8 @@
 """Tests of train.py on a tiny random Llama with the real SmolLM2 tokenizer (seconds per run).
 
-Single-process runs execute train.py in this process (runpy, as `python train.py` would); torchrun runs are
-subprocesses that execute this file as a module (`torchrun -m test_train ...`), which applies the same test-only
-patches (TRAIN_TEST_PATCHES) and then runs train.py. The patches, all outside train.py:
+Single-process runs call train.main in this process; torchrun runs are subprocesses that execute this file
+as a module (`torchrun -m test_train ...`), which applies the same test-only patches (TRAIN_TEST_PATCHES) and
+then calls train.main. The patches, all outside train.py:
 - sgd:        AdamW -> plain SGD, so the parameter change of a step is lr * gradient (comparable across runs);
 - row_seeded: every sequence is sampled alone with its own seeded generator, so the same prompts give the same
               samples whichever rank draws them (the data are then identical for 1 and 2 processes);
@@ -12,7 +12,6 @@ import functools
 import importlib.util
 import json
 import os
-import runpy
 import signal
 import subprocess
 import sys
@@ -131,17 +130,42 @@ SGD = ("--lr", "0.5", "--max-grad-norm", "1e9")  # with the sgd patch: parameter
 
 
 def train(argv, patches=(), **setattrs):
-    """Run `python train.py ARGV` in this process (one thread, like a torchrun worker); return its globals."""
+    """train.main(ARGV) in this process (one thread, like a torchrun worker). Returns what the tests look at
+    inside the run, recorded by wrapping two of train's helpers: the models (policy, sampler, reference) and
+    the last step's no-grad log-prob passes (prompts, tokens, mask, old_logp, ref_logp; exact_* for the
+    pass of a later minibatch)."""
+    import runtime
+    import train as trainer
+
+    run = {"reference": None}
+    make_sampler, no_grad_logprobs = runtime.make_sampler, trainer.no_grad_logprobs
+
+    def record_sampler(policy, *rest):
+        run["policy"], run["sampler"] = policy, make_sampler(policy, *rest)
+        return run["sampler"]
+
+    def record_logprobs(model, prompts, tokens, mask, *rest):
+        logp, entropy = no_grad_logprobs(model, prompts, tokens, mask, *rest)
+        if model is not run["policy"]:
+            run.update(reference=model, ref_logp=logp)
+        elif len(prompts) >= len(run.get("prompts", ())):  # the step's first pass: the whole batch
+            run.update(prompts=prompts, tokens=tokens, mask=mask, old_logp=logp)
+        else:  # a later minibatch's own pass
+            run.update(exact_prompts=prompts, exact_tokens=tokens, exact_mask=mask, exact_logp=logp)
+        return logp, entropy
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(sys, "argv", ["train.py", *argv])
             patch.setenv("HF_HUB_OFFLINE", "1")
+            patch.setattr(runtime, "make_sampler", record_sampler)
+            patch.setattr(trainer, "no_grad_logprobs", record_logprobs)
             apply_patches(patches, patch.setattr)
             for target, value in setattrs.items():
                 patch.setattr(target.replace("__", "."), value)
-            return runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+            trainer.main(argv)
+            return run
     finally:
         torch.set_num_threads(threads)
 
@@ -211,7 +235,7 @@ def two_steps(tiny, tmp_path_factory):
     """Two steps in one process, all 16 sequences in one micro-batch, SGD, row-seeded samples: the reference run."""
     out = tmp_path_factory.mktemp("two_steps")
     run = train(flags(tiny, out, "--steps", "2", "--micro-batch", "16", *SGD), patches=("sgd", "row_seeded"))
-    return {"out": out, "globals": run, "final": weights(out / "final")}
+    return {"out": out, "run": run, "final": weights(out / "final")}
 
 
 def test_two_steps_single_process(tiny, two_steps):
@@ -235,7 +259,7 @@ def test_two_steps_single_process(tiny, two_steps):
 
 
 def test_reference_never_changes(tiny, two_steps):
-    reference, policy = two_steps["globals"]["reference"], two_steps["globals"]["policy"]
+    reference, policy = two_steps["run"]["reference"], two_steps["run"]["policy"]
     assert not any(p.requires_grad for p in reference.parameters())
     assert_same({k: v for k, v in reference.state_dict().items() if k in tiny["initial"]}, tiny["initial"], atol=0)
     assert not torch.equal(policy.lm_head.weight, reference.lm_head.weight)
@@ -279,7 +303,7 @@ def test_no_reference_without_kl(tiny, tmp_path, no_kl):
     loaded = []
     load_model = model.load_model
     run = train(flags(tiny, tmp_path, "--steps", "1", *no_kl, "--eval-every", "1", "--eval-limit", "1"),
-                model__load_model=lambda *a, **k: loaded.append(a[0]) or load_model(*a, **k))
+                train__load_model=lambda *a, **k: loaded.append(a[0]) or load_model(*a, **k))
     assert loaded == [str(tiny["model"])] and run["reference"] is None  # the policy only
     row = metrics(tmp_path)[0]
     assert row["kl_k1"] is None and row["kl_k3"] is None and row["kl_loss"] == 0.0
@@ -348,10 +372,10 @@ def test_bf16_gradient_pass_takes_its_values_from_the_fp32_pass(tiny, tmp_path):
                       "--place", "loss", "--minibatches", "2", "--micro-batch", "3", "--lr", "1e-2"))
     from train import token_logprobs
 
-    rows = run["minibatch"]
+    rows = slice(len(run["prompts"]) - len(run["exact_prompts"]), None)  # the last minibatch
     with torch.no_grad():
-        expected = token_logprobs(run["policy"], [run["prompts"][r] for r in rows], run["tokens"][rows],
-                                  run["mask"][rows], 1.0, torch.float32)[0]
+        expected = token_logprobs(run["policy"], run["exact_prompts"], run["exact_tokens"], run["exact_mask"],
+                                  1.0, torch.float32)[0]
     assert not torch.equal(run["exact_logp"], run["old_logp"][rows])  # the weights moved after minibatch 1
     # the last minibatch's values are the fp32 log-probs of the weights it was computed with; the policy has
     # taken that minibatch's step since, so they differ from a pass now, but only by that step
@@ -424,6 +448,6 @@ def test_bad_flags_fail_with_one_line(tiny, tmp_path, bad, named):
 
 if __name__ == "__main__":  # torchrun -m test_train ARGS: train.py ARGS with the patches in TRAIN_TEST_PATCHES
     apply_patches(os.environ.get("TRAIN_TEST_PATCHES", "").split(","), setattr)
-    sys.argv = [str(ROOT / "train.py"), *sys.argv[1:]]
-    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
-    sys.exit(0)
+    import train
+
+    train.main(sys.argv[1:])

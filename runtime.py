@@ -1,0 +1,136 @@
+"""Processes, devices and precision: the set-up that train.py and eval.py share, and their collectives.
+
+- `start(dtype)`: the process group when torchrun launched us (NCCL on CUDA, gloo on CPU), this rank's
+  device, and the compute dtype. "auto" is bf16 where the device computes it natively (CUDA with bf16, CPUs
+  with AVX512-BF16 or AMX) and fp32 elsewhere: on AVX2-only CPUs bf16 is emulated, about 3x slower than fp32.
+- `stop_if_any_rank`, `all_reduce_sums`, `barrier`: the collectives of the loop. Every rank calls them at
+  the same point, so a rank never stops alone and leaves the others waiting in a collective.
+- `make_sampler` / `refresh_sampler`: the compute-dtype copy of the policy that rollout.generate samples from.
+- `wrap` / `unwrap`: the policy under DDP or FSDP2 (`shard`), and the plain model inside it.
+- `release_freed_memory()`: makes freed tensors go back to the operating system (glibc only; see there).
+"""
+import copy
+import ctypes
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def fail(message, prog=None):
+    """Stop with a one-line message and exit status 1, as `prog: error: message` on stderr."""
+    raise SystemExit(f"{prog or os.path.basename(sys.argv[0])}: error: {message}")
+
+
+def bf16_is_native(device):
+    """Whether bf16 arithmetic runs natively: CUDA with bf16 support, or a CPU with AVX512-BF16 (or AMX)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+
+
+def start(dtype="auto"):
+    """(rank, world_size, device, dtype): torchrun's process group joined if it launched us, this rank's
+    device, and the compute dtype ("auto": bf16 where it is native, else fp32)."""
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if dtype == "auto":
+        dtype = "bfloat16" if bf16_is_native(device) else "float32"
+    return rank, world_size, device, getattr(torch, dtype)
+
+
+def finish():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def release_freed_memory():
+    """glibc raises its mmap threshold to the size of each freed block (up to 32 MB), so after the first step the
+    trainer's (batch, tokens, vocab) temporaries come from the heap, which is never returned to the system:
+    resident memory grows by gigabytes that no tensor uses. A fixed threshold keeps blocks of 64 KB and more
+    in their own mappings, unmapped when freed (docs/benchmarks.md: memory). No effect on other C libraries."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD (also turns the dynamic threshold off)
+    except (OSError, AttributeError):
+        pass
+
+
+def stop_if_any_rank(message, prog=None):
+    """If any rank has a message, every rank stops with it; call it on every rank at the same point."""
+    messages = [message]
+    if dist.is_initialized():
+        messages = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, message)
+    message = next((m for m in messages if m), None)
+    if message:
+        fail(message, prog)
+
+
+def all_reduce_sums(sums, device):
+    """{name: number} summed over all ranks, in one collective (float64)."""
+    total = torch.tensor(list(sums.values()), dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return dict(zip(sums, total.tolist()))
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def shard(model):
+    """FSDP2: each decoder layer is one shard group, the rest (embeddings, norm, head) the root group. Weights
+    are gathered in fp32, so the fp32 log-prob passes are fp32; the gradient pass casts under autocast."""
+    from torch.distributed.fsdp import fully_shard
+
+    for module in model.modules():
+        if type(module).__name__ in (model._no_split_modules or ()):  # e.g. LlamaDecoderLayer
+            fully_shard(module)
+    return fully_shard(model)
+
+
+def wrap(model, device, fsdp):
+    """The model to train: sharded (FSDP2), replicated (DDP, under torchrun), or as it is, on `device`."""
+    if fsdp:
+        return shard(model)
+    if dist.is_initialized():
+        return DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    return model.to(device)
+
+
+def unwrap(model):
+    """The transformers model inside DDP (FSDP2 shards it in place: it is its own)."""
+    return model.module if isinstance(model, DDP) else model
+
+
+def make_sampler(policy, device, dtype, fsdp):
+    """The copy of the policy that rollout.generate samples from: its weights in the compute dtype, made
+    without a second fp32 copy (each weight is cast as it is copied). Buffers keep their dtype: the rotary
+    frequencies rounded to bf16 would turn every position's angle (a 0.2% error in a frequency is 0.3
+    radians at position 200). In fp32, without FSDP, the policy itself is the sampler."""
+    if dtype == torch.float32 and not fsdp:
+        return policy.to(device)
+    memo = {id(p): torch.nn.Parameter(p.detach().to(device, dtype), requires_grad=False)
+            for p in policy.parameters()}  # deepcopy takes these for the weights, copies the rest
+    return copy.deepcopy(policy, memo).to(device).eval()
+
+
+@torch.no_grad()
+def refresh_sampler(sampler, policy):
+    """Copy the fp32 master weights into the sampler (cast to its dtype); FSDP gathers one weight at a time."""
+    if sampler is policy:
+        return
+    weights = dict(policy.named_parameters())
+    for name, param in sampler.named_parameters():
+        weight = weights[name]
+        param.copy_(weight.full_tensor() if isinstance(weight, DTensor) else weight)

@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--prompts", type=int, default=8, help="distinct MATH500 problems per batch")
+parser.add_argument("--task", default=str(Path(__file__).parent.parent / "shared" / "data" / "math500.jsonl"),
+                    help="where the prompts come from: a data.py task or .jsonl (math500 when online)")
+parser.add_argument("--prompts", type=int, default=8, help="distinct problems per batch")
 parser.add_argument("--samples", type=int, default=5, help="samples per prompt (G)")
 parser.add_argument("--max-new-tokens", type=int, default=512, help="response budget in the A/B runs")
 parser.add_argument("--rounds", type=int, default=2, help="A/B rounds per dtype (order alternates)")
@@ -27,25 +29,22 @@ args = parser.parse_args()
 
 import torch  # noqa: E402  (after argparse so --help is instant)
 
+import data  # noqa: E402
 from model import load_model, load_tokenizer  # noqa: E402
 from rollout import generate  # noqa: E402
 
 if args.threads:
     torch.set_num_threads(args.threads)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-DATA = Path(__file__).parent.parent / "shared" / "data" / "math500.jsonl"
-INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
 def math500_prompts(tokenizer, num):
-    if not DATA.is_file():
-        sys.exit(f"skipped: {DATA} not found (the benchmark uses real MATH500 prompts)")
-    prompts = []
-    for line in DATA.open().readlines()[:num]:
-        messages = [{"role": "user", "content": json.loads(line)["problem"] + INSTRUCTION}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return prompts
+    """The first `num` problems of --task, as the trainer prompts them (data.prompt_ids: the chat template)."""
+    try:
+        examples = data.load_task(args.task, split="test")[:num]
+    except (OSError, ValueError) as error:
+        sys.exit(f"skipped: {str(error).splitlines()[0]} (the benchmark uses real MATH500 prompts)")
+    return [data.prompt_ids(tokenizer, example) for example in examples]
 
 
 def median_seconds(fn, reps):

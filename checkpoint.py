@@ -1,12 +1,13 @@
-"""Checkpoints and runs that never mix: what train.py writes to --out, and how --resume continues it.
+"""Checkpoints and runs that never mix: what train.py writes to --out and how --resume continues it.
 
-A checkpoint OUT/step_N (or OUT/final) holds the policy's weights as safetensors (loadable by from_pretrained,
-vLLM, lm-eval), the tokenizer, the AdamW state, every rank's RNG state and trainer_state.json (steps done,
-prompts consumed, world size, the run-defining flags). It is written to a temporary directory and renamed, so
-a killed save leaves no checkpoint behind, and a resumed run continues bit for bit.
+A checkpoint OUT/step_N (or OUT/final) holds the policy's weights as safetensors (loadable by
+from_pretrained, vLLM, lm-eval), the tokenizer, the AdamW state, every rank's RNG state and
+trainer_state.json (steps done, prompts consumed, world size, the run-defining flags). It is written
+to a temporary directory and renamed, so a killed save leaves no checkpoint behind, and a resumed
+run continues bit for bit.
 
-Runs never mix: a new run needs an empty --out; --resume takes the newest complete checkpoint and refuses one
-written with other run-defining flags (naming them) or by another number of ranks.
+Runs never mix: a new run needs an empty --out; --resume takes the newest complete checkpoint and
+refuses one written with other run-defining flags (naming them) or by another number of ranks.
 """
 import json
 import os
@@ -16,14 +17,15 @@ import shutil
 import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+                                                     get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
 
 from runtime import barrier, fail, stop_if_any_rank, unwrap
 
-# flags that do not change what a run computes (the gradient does not depend on the micro-batch, the sharding
-# or recomputation); every other flag must match the checkpoint's for --resume
-RESUMABLE_CHANGES = {"out", "resume", "steps", "save_every", "eval_every", "eval_tasks", "eval_limit",
-                     "micro_batch", "grad_checkpointing", "fsdp", "max_bad_steps"}
+# flags that do not change what a run computes (the gradient does not depend on the micro-batch, the
+# sharding or recomputation); every other flag must match the checkpoint's for --resume
+RESUMABLE_CHANGES = {"out", "resume", "steps", "save_every", "eval_every", "eval_tasks",
+                     "eval_limit", "micro_batch", "grad_checkpointing", "fsdp", "max_bad_steps"}
 
 
 def run_flags(args):
@@ -32,42 +34,49 @@ def run_flags(args):
 
 
 def flag_changes(saved, args):
-    """The flags a resumed run sets differently from the checkpoint's, as 'name: old -> new' strings."""
+    """The flags a resumed run sets differently from the checkpoint's, as 'name: old -> new'
+    strings."""
     now = run_flags(args)
     return [f"--{k.replace('_', '-')}: {saved.get(k)} -> {now.get(k)}"
             for k in sorted(saved.keys() | now.keys()) if saved.get(k) != now.get(k)]
 
 
 def latest(out):
-    """The complete checkpoint (OUT/step_N or OUT/final) with the most steps; a killed save's .tmp-* is none."""
-    done = [p.parent for p in out.glob("*/trainer_state.json") if not p.parent.name.startswith(".tmp-")]
-    return max(done, key=lambda d: json.loads((d / "trainer_state.json").read_text())["step"], default=None)
+    """The complete checkpoint (OUT/step_N or OUT/final) with the most steps; a killed save's
+    .tmp-* is none."""
+    done = [p.parent for p in out.glob("*/trainer_state.json")
+            if not p.parent.name.startswith(".tmp-")]
+    return max(done, key=lambda d: json.loads((d / "trainer_state.json").read_text())["step"],
+               default=None)
 
 
 def open_run(args, rank, world_size):
-    """(checkpoint to resume or None, its trainer_state or {}), after the checks that keep runs apart.
-    Every rank calls this: rank 0 looks at --out before anyone writes to it."""
-    stop_if_any_rank(f"{args.out} is not empty: pass --resume to continue that run, or another --out"
-                     if rank == 0 and not args.resume and args.out.is_dir() and any(args.out.iterdir())
-                     else None)
+    """(checkpoint to resume or None, its trainer_state or {}), after the checks that keep runs
+    apart. Every rank calls this: rank 0 looks at --out before anyone writes to it."""
+    stop_if_any_rank(f"{args.out} is not empty: pass --resume to continue that run, or another "
+                     f"--out" if rank == 0 and not args.resume and args.out.is_dir()
+                     and any(args.out.iterdir()) else None)
     checkpoint = latest(args.out) if args.resume else None
     if checkpoint is None:
         return None, {}
     trainer_state = json.loads((checkpoint / "trainer_state.json").read_text())
     changed = flag_changes(trainer_state["flags"], args) if "flags" in trainer_state else []
     if changed:
-        fail(f"{checkpoint} was run with other flags ({'; '.join(changed)}); resume with the same flags or "
-             f"another --out")
+        fail(f"{checkpoint} was run with other flags ({'; '.join(changed)}); resume with the same "
+             f"flags or another --out")
     if trainer_state["world_size"] != world_size:
-        fail(f"{checkpoint} was written by {trainer_state['world_size']} ranks; resume with as many")
+        fail(f"{checkpoint} was written by {trainer_state['world_size']} ranks; "
+             f"resume with as many")
     stop_if_any_rank(f"{checkpoint / f'rng_rank{rank}.pt'} is missing: the checkpoint is incomplete"
                      if not (checkpoint / f"rng_rank{rank}.pt").exists() else None)
     return checkpoint, trainer_state
 
 
 def rng_state(generator):
-    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available()
-            else [], "python": random.getstate(), "numpy": np.random.get_state(), "sampler": generator.get_state()}
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "python": random.getstate(), "numpy": np.random.get_state(),
+            "sampler": generator.get_state()}
 
 
 def set_rng_state(state, generator):
@@ -80,14 +89,16 @@ def set_rng_state(state, generator):
 
 
 def load(checkpoint, policy, optimizer, generator, rank):
-    """Restore the AdamW state and this rank's RNG streams (the weights were loaded with the model)."""
+    """Restore the AdamW state and this rank's RNG streams (the weights were loaded with the
+    model)."""
     set_optimizer_state_dict(policy, optimizer, torch.load(checkpoint / "optimizer.pt", mmap=True),
                              options=StateDictOptions(full_state_dict=True))
     set_rng_state(torch.load(checkpoint / f"rng_rank{rank}.pt", weights_only=False), generator)
 
 
 def save(path, policy, tokenizer, optimizer, generator, trainer_state, rank):
-    """Write the checkpoint `path` (all ranks call this): to path/../.tmp-NAME, then renamed to path."""
+    """Write the checkpoint `path` (all ranks call this): to path/../.tmp-NAME, then renamed to
+    path."""
     tmp = path.parent / f".tmp-{path.name}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -109,12 +120,13 @@ def save(path, policy, tokenizer, optimizer, generator, trainer_state, rank):
 
 
 def start_log(args, start_step, resumed):
-    """Write OUT/config.json and keep OUT/metrics.jsonl's steps up to the checkpoint (rank 0 only): a resumed
-    run forgets the steps logged after its checkpoint, which it does again."""
+    """Write OUT/config.json and keep OUT/metrics.jsonl's steps up to the checkpoint (rank 0 only):
+    a resumed run forgets the steps logged after its checkpoint, which it does again."""
     args.out.mkdir(parents=True, exist_ok=True)
     config = {k: str(v) if isinstance(v, os.PathLike) else v for k, v in vars(args).items()}
     (args.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     metrics = args.out / "metrics.jsonl"
     rows = metrics.read_text().splitlines() if metrics.exists() and resumed else []
-    metrics.write_text("".join(r + "\n" for r in rows if json.loads(r).get("step", 0) <= start_step))
+    metrics.write_text("".join(r + "\n" for r in rows
+                               if json.loads(r).get("step", 0) <= start_step))
     return metrics

@@ -173,7 +173,7 @@ def in_split(key, split):
 
 def arith(split, count, seed):
     """Additions a + b with a, b in 1..30: the embedded default task, on which SmolLM2-135M-Instruct starts
-    near 45% both greedy and at temperature 1.0 (see README). Two worked examples in the chat show where
+    near 45% both greedy and at temperature 1.0 (docs/tasks.md). Two worked examples in the chat show where
     the box goes and keep the answer short.
     The 898 problems split 713 train / 185 test; train repeats them in a seeded order, test gives each once."""
     shots = []

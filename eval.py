@@ -15,6 +15,11 @@ Metrics, for n problems with k samples each, c_i of which are correct on problem
   pass@m = (1/n) sum_i [1 - C(k - c_i, m) / C(k, m)], the chance that at least one of m samples is correct.
 - by_subject / by_level: {value: {accuracy, stderr, n}} over the problems carrying that field.
 
+Outputs: OUT/eval.json, {task: {accuracy, stderr, n, samples, pass@1, pass@2, ..., by_subject?, by_level?}},
+and OUT/completions.jsonl, one line per sample (task, index, sample, problem, answer, completion, extracted,
+reward, subject/level), so any score can be audited: data.score(example, completion) reproduces `reward`,
+and `summarize` of a task's lines reproduces its eval.json entry.
+
 Sharding: the (problem, sample) pairs are laid out in a fixed order and cut into batches of `batch_size`
 sequences; batch b is sampled with its own generator seeded from (seed, b) and runs on rank b % world_size.
 One process and torchrun with any number of ranks thus run the very same generate calls and return the same

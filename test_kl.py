@@ -368,11 +368,13 @@ def test_policy_loss_gradient_and_clipping():
     assert close(grad, torch.tensor([[-0.5, -1.1, 0.0], [0.0, 1.1, 1.5]], dtype=f64) / 6)
 
 
-# ---- off-policy: samples from a behaviour policy mu != pi (sec. 3, last paragraph) -----------------------
+# ---- off-policy: samples from a behaviour policy mu != pi (sec. 3, last paragraph) -------------
 
 # (T, pi's (a, b), mu's (a, b), pi_ref's (a, b), beta)
-OFF_CASES = [(1, (0.3, 0.0), (-0.2, 0.0), (-0.4, 0.0), 1.0), (3, (0.5, -0.2), (0.1, 0.3), (0.0, -0.3), 0.1),
-             (5, (-0.7, 0.4), (-0.3, 0.1), (0.2, 0.3), 0.5), (8, (0.5, -0.2), (0.8, -0.5), (0.0, -0.3), 2.0)]
+OFF_CASES = [(1, (0.3, 0.0), (-0.2, 0.0), (-0.4, 0.0), 1.0),
+             (3, (0.5, -0.2), (0.1, 0.3), (0.0, -0.3), 0.1),
+             (5, (-0.7, 0.4), (-0.3, 0.1), (0.2, 0.3), 0.5),
+             (8, (0.5, -0.2), (0.8, -0.5), (0.0, -0.3), 2.0)]
 
 
 def behaviour(m, mu):
@@ -382,21 +384,23 @@ def behaviour(m, mu):
 
 
 def off_policy_grad(m, mu_logp, kind, place, beta):
-    """grad E_mu[loss] of one configuration of Table 1 as train.py applies it to samples of mu: returns shaped
-    with the behaviour log-probs (old_logp), the token-level ratio pi/mu of policy_loss (no clipping), the
-    KL loss at pi; divided by beta. Each y weighted by mu(y) through the mask."""
+    """grad E_mu[loss] / beta of a configuration of Table 1 as train.py applies it to samples of mu:
+    returns shaped with the behaviour log-probs (old_logp), the token ratio pi/mu of policy_loss (no
+    clipping), the KL loss at pi. Each y is weighted by mu(y) through the mask."""
     logp, ref_logp = m["logp"], m["ref_logp"]
     weight = mu_logp.sum(-1, keepdim=True).exp() * torch.ones_like(logp)  # mu(y)
     ones = torch.ones_like(logp)
-    returns = shape_rewards(torch.zeros(len(logp), dtype=f64), mu_logp, ref_logp, ones, kind, place, beta)
+    scores = torch.zeros(len(logp), dtype=f64)
+    returns = shape_rewards(scores, mu_logp, ref_logp, ones, kind, place, beta)
     pg_loss, _ = policy_loss(logp, mu_logp, returns, weight, num_tokens=1, clip_eps=1e9)
     loss = pg_loss + kl_loss(logp, ref_logp, weight, kind, place, beta, num_tokens=1)
     return torch.stack(torch.autograd.grad(loss, (m["a"], m["b"]), retain_graph=True)) / beta
 
 
 def sequence_weighted_grad(m, mu_logp, beta, estimator):
-    """grad E_mu[beta sum_i w_i sg[K_i]] / beta, w_i = prod_t pi/mu: kl.off_policy_kl_loss, or (estimator="k2")
-    Liu et al.'s importance-weighted K2-as-loss, sg[w_i] K2 of the whole sequence."""
+    """grad E_mu[beta sum_i w_i sg[K_i]] / beta, w_i = prod_t pi/mu: kl.off_policy_kl_loss; or, with
+    estimator="k2", Liu et al.'s importance-weighted K2-as-loss, sg[w_i] K2 of the whole
+    sequence."""
     weight = mu_logp.sum(-1, keepdim=True).exp() * torch.ones_like(m["logp"])
     if estimator == "k1":
         loss = off_policy_kl_loss(m["logp"], mu_logp, m["ref_logp"], weight, beta, num_tokens=1)
@@ -408,7 +412,7 @@ def sequence_weighted_grad(m, mu_logp, beta, estimator):
 
 
 def off_policy_references(m, mu_logp):
-    """What each configuration computes off-policy, by hand for Bernoulli tokens, as (2,) gradients."""
+    """What each configuration computes off-policy, by hand for Bernoulli tokens: (2,) gradients."""
     y, c, z, z_ref = m["y"], m["c"], m["z"].detach(), m["z_ref"]
     p, q = torch.sigmoid(z), torch.sigmoid(z_ref)
     mu = mu_logp.sum(-1).exp()
@@ -429,9 +433,10 @@ def off_policy_references(m, mu_logp):
 
 @pytest.mark.parametrize("T, theta, mu, ref, beta", OFF_CASES)
 def test_off_policy_table1(T, theta, mu, ref, beta):
-    """Off-policy every configuration of Table 1 is biased, and what each one computes is written out by hand;
-    the sequence-level importance weight w = prod_t pi/mu on sg[K1] (kl.off_policy_kl_loss) is the true
-    gradient of KL(pi || pi_ref) exactly, under samples from mu; on-policy it is K1-in-reward."""
+    """Off-policy every configuration of Table 1 is biased, and what each computes is written out
+    by hand; the sequence-level importance weight w = prod_t pi/mu on sg[K1] (kl.off_policy_kl_loss)
+    is the true gradient of KL(pi || pi_ref) exactly, under samples from mu; on-policy it is
+    K1-in-reward."""
     m = toy(T, theta, ref)
     mu_logp = behaviour(m, mu)
     true, hand = references(m)["true"], off_policy_references(m, mu_logp)
@@ -440,24 +445,28 @@ def test_off_policy_table1(T, theta, mu, ref, beta):
     assert close(grad("k1", "loss"), hand["k1_loss"])
     assert close(grad("k3", "loss"), hand["k3_loss"])
     assert close(grad("k1", "both"), hand["k1_reward"] + hand["k1_loss"])
-    for kind, place in [("k1", "reward"), ("k1", "loss"), ("k3", "reward"), ("k3", "loss"), ("k1", "both"),
-                        ("k3", "both"), ("k2", "loss")]:
+    for kind, place in [("k1", "reward"), ("k1", "loss"), ("k3", "reward"), ("k3", "loss"),
+                        ("k1", "both"), ("k3", "both"), ("k2", "loss")]:
         assert (grad(kind, place) - true).abs().max() > 1e-3, (kind, place)
     assert close(sequence_weighted_grad(m, mu_logp, beta, "k1"), true)  # unbiased off-policy
-    assert close(sequence_weighted_grad(m, mu_logp, beta, "k2"), true)  # Liu et al.'s correction, whole sequence
+    # Liu et al.'s importance-sampling correction, on the whole sequence's K2
+    assert close(sequence_weighted_grad(m, mu_logp, beta, "k2"), true)
     # on-policy (mu = pi) the weighted loss is K1-in-reward, value and gradient
     pi_logp = m["logp"].detach()
-    assert close(sequence_weighted_grad(m, pi_logp, beta, "k1"), expected_loss_grad(m, "k1", "reward", beta) / beta)
+    k1_in_reward = expected_loss_grad(m, "k1", "reward", beta) / beta
+    assert close(sequence_weighted_grad(m, pi_logp, beta, "k1"), k1_in_reward)
 
 
 @pytest.mark.parametrize("T, theta, ref, beta", CASES)
 def test_liu_k2_as_loss_equals_k1_in_reward_for_the_whole_sequence(T, theta, ref, beta):
-    """Liu et al. (2510.01555): on-policy, "K2 as loss" has K1-in-reward's gradient. Exactly so when the
-    sequence is one action (K2 of the summed log-ratio): E[grad 1/2 (log pi(y)/pi_ref(y))^2] = grad KL at every
-    T. The per-token K2 that implementations sum is that only at T = 1 (test_expected_gradients_table1)."""
+    """Liu et al. (2510.01555): on-policy, "K2 as loss" has K1-in-reward's gradient. Exactly so when
+    the sequence is one action (K2 of the summed log-ratio): E[grad 1/2 (log pi(y)/pi_ref(y))^2] =
+    grad KL at every T. The per-token K2 that implementations sum is that only at T = 1
+    (test_expected_gradients_table1)."""
     m = toy(T, theta, ref)
     pi = m["logp"].sum(-1).exp().detach()
     k2_sequence = 0.5 * (m["logp"] - m["ref_logp"]).sum(-1) ** 2
-    grad = torch.stack(torch.autograd.grad((pi * k2_sequence).sum(), (m["a"], m["b"]), retain_graph=True))
+    grad = torch.stack(torch.autograd.grad((pi * k2_sequence).sum(), (m["a"], m["b"]),
+                                           retain_graph=True))
     assert close(grad, references(m)["true"])
     assert close(grad, expected_loss_grad(m, "k1", "reward", beta) / beta)

@@ -97,9 +97,8 @@ def off_policy_kl_loss(logp, behaviour_logp, ref_logp, mask, beta, num_tokens):
 
     w_i = prod_t pi/mu over sequence i's tokens is the sequence-level importance weight,
     differentiable in `logp`; K1_i = sum_t log pi/pi_ref is detached. E_mu[w K1] = E_pi[K1] = KL,
-    and
-    grad (w sg[K1]) = w K1 grad log pi(y), whose expectation under mu is E_pi[K1 grad log pi(y)] =
-    grad KL(pi || pi_ref): unbiased off-policy, where every configuration of Table 1 is biased
+    and grad (w sg[K1]) = w K1 grad log pi(y), whose expectation under mu is E_pi[K1 grad log pi(y)]
+    = grad KL(pi || pi_ref): unbiased off-policy, where every configuration of Table 1 is biased
     (test_kl.py enumerates both). On-policy (mu = pi) its gradient is K1-in-reward's. `mask` may
     carry weights; w uses mask > 0.
     """

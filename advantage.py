@@ -1,9 +1,10 @@
 """Advantages and the policy-gradient loss (paper sec. 2 and 4.1).
 
 The paper trains with REINFORCE leave-one-out advantages (RLOO, Ahmadian et al. 2024) and a PPO-clip
-surrogate normalized by the total number of response tokens in the batch (sec. 4.1). Sequences are laid
-out in contiguous groups of `group_size` samples of the same prompt. For comparison, `group_mean`
-(Dr. GRPO, Liu et al. 2025) and `group_normalized` (GRPO, Shao et al. 2024) baselines are one function each.
+surrogate normalized by the total number of response tokens in the batch (sec. 4.1). Sequences are
+laid out in contiguous groups of `group_size` samples of the same prompt. For comparison,
+`group_mean` (Dr. GRPO, Liu et al. 2025) and `group_normalized` (GRPO, Shao et al. 2024) baselines
+are one function each.
 """
 
 import torch
@@ -11,7 +12,8 @@ import torch
 
 def _groups(returns, group_size):
     if group_size < 2 or returns.numel() % group_size:
-        raise ValueError(f"group_size must be >= 2 and divide the batch ({returns.numel()}), got {group_size}")
+        raise ValueError(f"group_size must be >= 2 and divide the batch ({returns.numel()}), "
+                         f"got {group_size}")
     return returns.detach().reshape(-1, group_size)
 
 
@@ -37,10 +39,11 @@ def group_normalized(returns, group_size, eps=1e-6):
 def policy_loss(logp, old_logp, advantages, mask, num_tokens, clip_eps=0.2):
     """PPO-clip surrogate summed over tokens / num_tokens -> (loss, clip_frac).
 
-    logp, old_logp, mask: (B, T) per token; advantages: (B,) one per sequence (eq. 7, A_t = A for all t).
-    On-policy (old_logp = logp.detach()) the gradient is -(1/num_tokens) sum_i A_i grad log pi(y_i).
-    clip_frac = sum(mask * clipped) / num_tokens, with clipped = tokens whose clipped branch is active
-    (their gradient is zero), so summing it over micro-batches and ranks gives the global fraction.
+    logp, old_logp, mask: (B, T) per token; advantages: (B,) one per sequence (eq. 7, A_t = A for
+    all t). On-policy (old_logp = logp.detach()) the gradient is -(1/num_tokens) sum_i A_i grad log
+    pi(y_i). clip_frac = sum(mask * clipped) / num_tokens, with clipped = tokens whose clipped
+    branch is active (their gradient is zero), so summing it over micro-batches and ranks gives the
+    global fraction.
     """
     # eq. 4: ratio w_t = pi(y_t | y<t) / pi_old(y_t | y<t)
     ratio = torch.exp(logp - old_logp.detach())
@@ -51,3 +54,17 @@ def policy_loss(logp, old_logp, advantages, mask, num_tokens, clip_eps=0.2):
     loss = (mask * torch.maximum(unclipped, clipped)).sum() / num_tokens
     clip_frac = (mask * (clipped > unclipped)).sum().detach() / num_tokens
     return loss, clip_frac
+
+
+def truncated_is_loss(logp, behaviour_logp, advantages, mask, num_tokens, cap=8.0):
+    """prime-rl's loss for asynchronous samples -> (loss, truncated_frac): -min(w_t, cap) A per
+    token, w_t = pi(y_t | y<t) / mu(y_t | y<t) against the behaviour policy mu that sampled, no
+    epsilon clip; summed over tokens / num_tokens like policy_loss. Its gradient is -w_t A grad log
+    pi(y_t | y<t) where w_t <= cap, else 0; truncated_frac = sum(mask * (w_t > cap)) /
+    num_tokens."""
+    ratio = torch.exp(logp - behaviour_logp.detach())
+    adv = advantages.detach().unsqueeze(-1)
+    # -min(w_t, C) A_t: the truncated importance weight
+    loss = (mask * -torch.clamp(ratio, max=cap) * adv).sum() / num_tokens
+    truncated_frac = (mask * (ratio > cap)).sum().detach() / num_tokens
+    return loss, truncated_frac

@@ -1,14 +1,15 @@
 """Checkpoints and runs that never mix: what train.py writes to --out and how --resume continues it.
 
 A checkpoint OUT/step_N (or OUT/final) holds the policy's weights as safetensors (loadable by
-from_pretrained, vLLM, lm-eval), the tokenizer, the AdamW state, every rank's RNG state and
-trainer_state.json (steps done, prompts consumed, world size, the run-defining flags). It is written
-to a temporary directory and renamed, so a killed save leaves no checkpoint behind, and a resumed
-run continues bit for bit.
+from_pretrained, vLLM, lm-eval), the tokenizer, the AdamW state, every rank's RNG state and queue
+of batches sampled ahead (--async-lag), and trainer_state.json (steps done, prompts consumed, world
+size, the run-defining flags). It is written to a temporary directory and renamed, so a killed save
+leaves no checkpoint behind, and a resumed run continues bit for bit.
 
 Runs never mix: a new run needs an empty --out; --resume takes the newest complete checkpoint and
 refuses one written with other run-defining flags (naming them) or by another number of ranks.
 """
+import collections
 import json
 import os
 import random
@@ -90,13 +91,15 @@ def set_rng_state(state, generator):
 
 def load(checkpoint, policy, optimizer, generator, rank):
     """Restore the AdamW state and this rank's RNG streams (the weights were loaded with the
-    model)."""
+    model); return this rank's queue of batches sampled ahead (--async-lag)."""
     set_optimizer_state_dict(policy, optimizer, torch.load(checkpoint / "optimizer.pt", mmap=True),
                              options=StateDictOptions(full_state_dict=True))
     set_rng_state(torch.load(checkpoint / f"rng_rank{rank}.pt", weights_only=False), generator)
+    queue = checkpoint / f"queue_rank{rank}.pt"
+    return collections.deque(torch.load(queue, weights_only=False) if queue.exists() else [])
 
 
-def save(path, policy, tokenizer, optimizer, generator, trainer_state, rank):
+def save(path, policy, tokenizer, optimizer, generator, queue, trainer_state, rank):
     """Write the checkpoint `path` (all ranks call this): to path/../.tmp-NAME, then renamed to
     path."""
     tmp = path.parent / f".tmp-{path.name}"
@@ -109,6 +112,7 @@ def save(path, policy, tokenizer, optimizer, generator, trainer_state, rank):
     weights = get_model_state_dict(policy, options=options)
     optimizer_state = get_optimizer_state_dict(policy, optimizer, options=options)
     torch.save(rng_state(generator), tmp / f"rng_rank{rank}.pt")
+    torch.save(list(queue), tmp / f"queue_rank{rank}.pt")  # sampled ahead, not yet trained on
     if rank == 0:
         unwrap(policy).save_pretrained(tmp, state_dict=weights)
         tokenizer.save_pretrained(tmp)

@@ -1,15 +1,18 @@
-"""Tasks: prompts x with their verifiable answers y* (sec. 4 of the paper: MATH for training; MATH500, MATH^2
-and MMLU college physics / chemistry / biology for evaluation; Countdown for the asynchronous runs).
+"""Tasks: prompts x with their verifiable answers y* (sec. 4 of the paper: MATH for training;
+MATH500, MATH^2 and MMLU college physics / chemistry / biology for evaluation; Countdown for the
+asynchronous runs).
 
 `load_task(name)` returns a list of examples, each a dict with
   messages  chat messages, the last one the user's question (with the instruction below)
   answer    the gold answer y* (a LaTeX string, a letter A-D, or a countdown expression)
   reward    which reward.py function scores it: "math", "choice" or "countdown"
-  problem   the question text (for logs), plus task fields: level, subject, choices, numbers, target.
+  problem   the question text (for logs), plus task fields: level, subject, choices, numbers,
+            target.
 
 Hub tasks load with the `datasets` library; offline they fail at once and name the local-file route:
-any .jsonl path is a task too ({problem, answer} rows: math reward; {question, choices, answer}: choice).
-`arith` and `countdown` are generated from a seed, offline; `train` and `test` never share a problem.
+any .jsonl path is a task too ({problem, answer} rows: math reward; {question, choices, answer}:
+choice). `arith` and `countdown` are generated from a seed, offline; `train` and `test` never share
+a problem.
 """
 import json
 import random
@@ -19,16 +22,18 @@ from hub import require_hub
 from reward import choice_reward, countdown_reward, extract_boxed, math_reward
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-TASKS = ("math", "math500", "math2", "mmlu-college-physics", "mmlu-college-chemistry", "mmlu-college-biology",
-         "countdown", "arith")
-MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
-                 "prealgebra", "precalculus")
+TASKS = ("math", "math500", "math2", "mmlu-college-physics", "mmlu-college-chemistry",
+         "mmlu-college-biology", "countdown", "arith")
+MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra",
+                 "number_theory", "prealgebra", "precalculus")
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
-PROCEDURAL_SIZE = {"train": 10_000, "test": 500}  # problems generated when no limit is given (arith test: 185)
+# problems generated when no limit is given (arith test: 185)
+PROCEDURAL_SIZE = {"train": 10_000, "test": 500}
 
 
 def load_task(name, split="train", limit=None, seed=0):
-    """Examples of task `name` (one of TASKS, or a path to a .jsonl file); `limit` keeps a seeded subset."""
+    """Examples of task `name` (one of TASKS, or a path to a .jsonl file); `limit` keeps a
+    seeded subset."""
     if split not in ("train", "test"):
         raise ValueError(f"split must be 'train' or 'test', got '{split}'")
     if name == "arith":
@@ -37,15 +42,19 @@ def load_task(name, split="train", limit=None, seed=0):
         return countdown(split, limit or PROCEDURAL_SIZE[split], seed)
     if name.endswith(".jsonl"):
         examples = read_jsonl(name)
-    elif name == "math":  # Hendrycks MATH: 7,500 train / 5,000 test problems, gold = last box of the solution
-        alternative = "pass a local .jsonl of {problem, answer} rows instead (e.g. ../shared/data/math_train.jsonl)"
+    elif name == "math":
+        # Hendrycks MATH: 7,500 train / 5,000 test problems, gold = last box of the solution
+        alternative = ("pass a local .jsonl of {problem, answer} rows instead "
+                       "(e.g. ../shared/data/math_train.jsonl)")
         rows = [row for subject in MATH_SUBJECTS
                 for row in hub_rows("EleutherAI/hendrycks_math", subject, split, alternative)]
         examples = [to_example({"problem": row["problem"], "answer": extract_boxed(row["solution"]),
-                                "level": row["level"], "subject": row["type"]}, "EleutherAI/hendrycks_math")
+                                "level": row["level"], "subject": row["type"]},
+                               "EleutherAI/hendrycks_math")
                     for row in rows if extract_boxed(row["solution"])]
     elif name == "math500":  # one split only (test), whatever `split` says
-        alternative = "pass a local .jsonl of {problem, answer} rows instead (e.g. ../shared/data/math500.jsonl)"
+        alternative = ("pass a local .jsonl of {problem, answer} rows instead "
+                       "(e.g. ../shared/data/math500.jsonl)")
         rows = hub_rows("HuggingFaceH4/MATH-500", None, "test", alternative)
         examples = [to_example(row, "HuggingFaceH4/MATH-500") for row in rows]
     elif name == "math2":  # MATH^2 (Shah et al. 2024), 210 problems, one csv
@@ -59,16 +68,20 @@ def load_task(name, split="train", limit=None, seed=0):
         rows = hub_rows("cais/mmlu", subject, "test", alternative)
         examples = [to_example(row, f"cais/mmlu {subject}") for row in rows]
     else:
-        raise ValueError(f"unknown task '{name}': choose from {', '.join(TASKS)}, or a path to a .jsonl file")
+        raise ValueError(f"unknown task '{name}': choose from {', '.join(TASKS)}, "
+                         "or a path to a .jsonl file")
     if limit is not None and limit < len(examples):  # a seeded subset, kept in the original order
-        examples = [examples[i] for i in sorted(random.Random(seed).sample(range(len(examples)), limit))]
+        examples = [examples[i]
+                    for i in sorted(random.Random(seed).sample(range(len(examples)), limit))]
     return examples
 
 
 def prompt_ids(tokenizer, example, chat_template=True):
-    """Prompt token ids: the chat template with its generation prompt, or a plain "Question/Answer" text."""
+    """Prompt token ids: the chat template with its generation prompt, or a plain
+    "Question/Answer" text."""
     if chat_template:
-        text = tokenizer.apply_chat_template(example["messages"], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(example["messages"], tokenize=False,
+                                             add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     turns = [f"Question: {m['content']}\nAnswer:" if m["role"] == "user" else f" {m['content']}\n\n"
              for m in example["messages"] if m["role"] in ("user", "assistant")]
@@ -76,14 +89,16 @@ def prompt_ids(tokenizer, example, chat_template=True):
 
 
 def score(example, completion):
-    """The reward of `completion` for `example`, 0.0 or 1.0 (eq. in sec. 2: R = 1[Extract(y) = y*])."""
+    """The reward of `completion` for `example`, 0.0 or 1.0
+    (eq. in sec. 2: R = 1[Extract(y) = y*])."""
     if example["reward"] == "math":
         return math_reward(completion, example["answer"])
     if example["reward"] == "choice":
         return choice_reward(completion, example["answer"])
     if example["reward"] == "countdown":
         return countdown_reward(completion, example["numbers"], example["target"])
-    raise ValueError(f"example has reward '{example['reward']}'; expected one of math, choice, countdown")
+    raise ValueError(f"example has reward '{example['reward']}'; "
+                     "expected one of math, choice, countdown")
 
 
 # ---- rows -> examples ----------------------------------------------------------------------------
@@ -97,9 +112,12 @@ def hub_rows(path, config, split, alternative):
 
 
 def math2_row(row):
-    """MATH^2's csv columns are not documented; take the usual names and say which ones exist if none fit."""
-    problem = next((row[k] for k in ("problem", "question", "Problem", "Question") if row.get(k)), None)
-    answer = next((row[k] for k in ("answer", "Answer", "final_answer") if row.get(k) not in (None, "")), None)
+    """MATH^2's csv columns are not documented; take the usual names and say which ones exist
+    if none fit."""
+    problem = next((row[k] for k in ("problem", "question", "Problem", "Question")
+                    if row.get(k)), None)
+    answer = next((row[k] for k in ("answer", "Answer", "final_answer")
+                   if row.get(k) not in (None, "")), None)
     if answer is None and row.get("solution"):
         answer = extract_boxed(row["solution"])
     if problem is None or answer is None:
@@ -108,7 +126,8 @@ def math2_row(row):
 
 
 def read_jsonl(path):
-    """Examples from a local .jsonl file; a malformed row raises ValueError naming the file and line."""
+    """Examples from a local .jsonl file; a malformed row raises ValueError naming the file
+    and line."""
     examples = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
@@ -123,7 +142,8 @@ def read_jsonl(path):
 
 
 def to_example(row, where):
-    """A {problem, answer} row (math reward) or a {question, choices, answer} row (choice reward)."""
+    """A {problem, answer} row (math reward) or a {question, choices, answer} row
+    (choice reward)."""
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
     extra = {k: row[k] for k in ("level", "subject") if k in row}
@@ -131,23 +151,26 @@ def to_example(row, where):
         problem, answer = row["problem"], row["answer"]
         if not isinstance(problem, str) or not problem.strip():
             raise ValueError(f"{where}: 'problem' must be a non-empty string")
-        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or not str(answer).strip():
-            raise ValueError(f"{where}: 'answer' must be a non-empty string or a number, got {answer!r}")
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) \
+                or not str(answer).strip():
+            raise ValueError(f"{where}: 'answer' must be a non-empty string or a number, "
+                             f"got {answer!r}")
         return math_example(problem, str(answer), **extra)
     if {"question", "choices", "answer"} <= row.keys():
         question, choices, answer = row["question"], row["choices"], row["answer"]
-        if not isinstance(question, str) or not isinstance(choices, list) or not 2 <= len(choices) <= 26 \
-                or not all(isinstance(c, str) for c in choices):
-            raise ValueError(f"{where}: 'question' must be a string and 'choices' a list of 2-26 strings")
+        if not isinstance(question, str) or not isinstance(choices, list) \
+                or not 2 <= len(choices) <= 26 or not all(isinstance(c, str) for c in choices):
+            raise ValueError(f"{where}: 'question' must be a string and 'choices' a list of "
+                             "2-26 strings")
         letters = LETTERS[: len(choices)]
         if isinstance(answer, int) and not isinstance(answer, bool) and 0 <= answer < len(choices):
             answer = letters[answer]
         if not (isinstance(answer, str) and len(answer) == 1 and answer in letters):
-            raise ValueError(f"{where}: 'answer' must be an index 0-{len(choices) - 1} or a letter {letters}, "
-                             f"got {row['answer']!r}")
+            raise ValueError(f"{where}: 'answer' must be an index 0-{len(choices) - 1} or a letter "
+                             f"{letters}, got {row['answer']!r}")
         return choice_example(question, choices, answer, **extra)
-    raise ValueError(f"{where}: expected keys {{problem, answer}} or {{question, choices, answer}}, "
-                     f"got {sorted(row)}")
+    raise ValueError(f"{where}: expected keys {{problem, answer}} or "
+                     f"{{question, choices, answer}}, got {sorted(row)}")
 
 
 def math_example(problem, answer, **fields):
@@ -158,28 +181,32 @@ def math_example(problem, answer, **fields):
 def choice_example(question, choices, answer, **fields):
     options = "\n".join(f"{letter}. {choice}" for letter, choice in zip(LETTERS, choices))
     content = (f"{question}\n\n{options}\n\n{INSTRUCTION} "
-               f"The final answer is the letter ({', '.join(LETTERS[:len(choices)])}) of the correct choice.")
+               f"The final answer is the letter ({', '.join(LETTERS[:len(choices)])}) "
+               "of the correct choice.")
     messages = [{"role": "user", "content": content}]
-    return {"messages": messages, "answer": answer, "reward": "choice", "problem": question, "choices": choices,
-            **fields}
+    return {"messages": messages, "answer": answer, "reward": "choice", "problem": question,
+            "choices": choices, **fields}
 
 
 # ---- procedural tasks ----------------------------------------------------------------------------
 
 def in_split(key, split):
-    """A fixed partition of the problem space (1 problem in 5 is a test problem), the same for every seed."""
+    """A fixed partition of the problem space (1 problem in 5 is a test problem), the same for
+    every seed."""
     return (zlib.crc32(key.encode()) % 5 == 0) == (split == "test")
 
 
 def arith(split, count, seed):
-    """Additions a + b with a, b in 1..30: the embedded default task, on which SmolLM2-135M-Instruct starts
-    near 45% both greedy and at temperature 1.0 (docs/tasks.md). Two worked examples in the chat show where
-    the box goes and keep the answer short.
-    The 898 problems split 713 train / 185 test; train repeats them in a seeded order, test gives each once."""
+    """Additions a + b with a, b in 1..30: the embedded default task, on which SmolLM2-135M-Instruct
+    starts near 45% both greedy and at temperature 1.0 (docs/tasks.md). Two worked examples in the
+    chat show where the box goes and keep the answer short.
+    The 898 problems split 713 train / 185 test; train repeats them in a seeded order, test gives
+    each once."""
     shots = []
     for a, b in ((13, 5), (7, 26)):
         shots += [{"role": "user", "content": f"What is {a} + {b}? {INSTRUCTION}"},
-                  {"role": "assistant", "content": f"{a} + {b} = {a + b}. The final answer is \\boxed{{{a + b}}}."}]
+                  {"role": "assistant",
+                   "content": f"{a} + {b} = {a + b}. The final answer is \\boxed{{{a + b}}}."}]
     pairs = [(a, b) for a in range(1, 31) for b in range(1, 31)
              if (a, b) not in ((13, 5), (7, 26)) and in_split(f"What is {a} + {b}?", split)]
     random.Random(f"arith-{seed}").shuffle(pairs)
@@ -189,32 +216,38 @@ def arith(split, count, seed):
     for a, b in (pairs[i % len(pairs)] for i in range(count)):
         problem = f"What is {a} + {b}?"
         messages = shots + [{"role": "user", "content": f"{problem} {INSTRUCTION}"}]
-        examples.append({"messages": messages, "answer": str(a + b), "reward": "math", "problem": problem})
+        examples.append({"messages": messages, "answer": str(a + b), "reward": "math",
+                         "problem": problem})
     return examples
 
 
 def countdown(split, count, seed):
-    """`count` Countdown problems in reasoning-gym's style (its defaults: 4-6 numbers; here 3-4): numbers in
-    1..100 and a target in 100..999 reached by combining all of them with + - * / (every intermediate a
-    non-negative integer); `answer` is that expression, one solution among possibly many."""
+    """`count` Countdown problems in reasoning-gym's style (its defaults: 4-6 numbers; here 3-4):
+    numbers in 1..100 and a target in 100..999 reached by combining all of them with + - * / (every
+    intermediate a non-negative integer); `answer` is that expression, one solution among possibly
+    many."""
     rng = random.Random(f"countdown-{split}-{seed}")
     examples = []
     while len(examples) < count:
         numbers = [rng.randint(1, 100) for _ in range(rng.choice((3, 4)))]
-        terms = [(n, str(n)) for n in numbers]  # (value, expression) pairs, combined until one is left
+        # (value, expression) pairs, combined until one is left
+        terms = [(n, str(n)) for n in numbers]
         while len(terms) > 1:
-            (x, ex), (y, ey) = terms.pop(rng.randrange(len(terms))), terms.pop(rng.randrange(len(terms)))
+            (x, ex), (y, ey) = (terms.pop(rng.randrange(len(terms))),
+                                terms.pop(rng.randrange(len(terms))))
             op = rng.choice("+-*/")
             if op == "-" and x < y or op == "/" and (y == 0 or x % y):
                 op = "+"
             value = x + y if op == "+" else x - y if op == "-" else x * y if op == "*" else x // y
             terms.append((value, f"({ex} {op} {ey})"))
         target, expression = terms[0][0], terms[0][1][1:-1]
-        problem = (f"Using the numbers {numbers}, create an expression that equals {target}. Use each number "
-                   f"exactly once, with only + - * / and parentheses.")
+        problem = (f"Using the numbers {numbers}, create an expression that equals {target}. "
+                   f"Use each number exactly once, with only + - * / and parentheses.")
         if not 100 <= target <= 999 or not in_split(problem, split):
             continue
-        content = f"{problem} {INSTRUCTION} Put the expression itself in the box, e.g. \\boxed{{(1 + 2) * 3}}."
+        content = (f"{problem} {INSTRUCTION} Put the expression itself in the box, "
+                   "e.g. \\boxed{(1 + 2) * 3}.")
         examples.append({"messages": [{"role": "user", "content": content}], "answer": expression,
-                         "reward": "countdown", "problem": problem, "numbers": numbers, "target": target})
+                         "reward": "countdown", "problem": problem, "numbers": numbers,
+                         "target": target})
     return examples

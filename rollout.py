@@ -1,28 +1,31 @@
-"""Our own batched sampler with a preallocated KV cache: the rollouts y_1:T ~ pi_theta(.|x) of Sec. 2.
+"""Our own batched sampler with a preallocated KV cache: rollouts y_1:T ~ pi_theta(.|x) of Sec. 2.
 
-RL spends most of its time here. We reuse the Hugging Face model's own modules and weights (embeddings,
-RMSNorms, q/k/v/o projections with their biases, Qwen3's q/k norms, rotary embedding with its rope
-scaling, MLP, tied or untied lm_head) and write only the attention and the cache ourselves, for the
-Llama, Qwen2 and Qwen3 families.
+RL spends most of its time here. We reuse the Hugging Face model's own modules and weights
+(embeddings, RMSNorms, q/k/v/o projections with their biases, Qwen3's q/k norms, rotary embedding
+with its rope scaling, MLP, tied or untied lm_head) and write only the attention and the cache
+ourselves, for the Llama, Qwen2 and Qwen3 families.
 
 The exact variant:
 - Cache: one tensor per K and V of shape (layers, rows, max_len, kv_heads, head_dim), the layout of
-  `flash_attn_with_kvcache`. Row b holds its own prompt from slot 0 (no left padding), so the token at
-  slot j has position j, exactly as Hugging Face places an unpadded prompt. `seqlens[b]` counts its slots.
-- Rows are sorted longest prompt first. Prefill runs each distinct prompt once (the trainer passes each
-  prompt G times) in buckets of similar length, each padded only to its own longest prompt, and copies
-  its K/V to the rows that share it; decode then runs one token per live row. A row that emits EOS leaves
-  the batch: the last live rows move into its cache slots, so the next steps run on fewer rows.
-- Sampling: temperature T scales the logits; top-p keeps the smallest set of most likely tokens whose
-  mass reaches p (the token that crosses p included: Hugging Face's TopPLogitsWarper rule) and
+  `flash_attn_with_kvcache`. Row b holds its own prompt from slot 0 (no left padding), so the token
+  at slot j has position j, exactly as Hugging Face places an unpadded prompt. `seqlens[b]` counts
+  its slots.
+- Rows are sorted longest prompt first. Prefill runs each distinct prompt once (the trainer passes
+  each prompt G times) in buckets of similar length, each padded only to its own longest prompt, and
+  copies its K/V to the rows that share it; decode then runs one token per live row. A row that
+  emits EOS leaves the batch: the last live rows move into its cache slots, so the next steps run on
+  fewer rows.
+- Sampling: temperature T scales the logits; top-p keeps the smallest set of most likely tokens
+  whose mass reaches p (the token that crosses p included: Hugging Face's TopPLogitsWarper rule) and
   renormalizes. The returned log-prob of each token is under exactly that distribution,
   log softmax(z / T) renormalized over the nucleus: log pi_theta_old(o_t | x, o_<t) of eq. (4).
-  temperature=0 is greedy, a point mass, so its log-probs are 0 (= log 1). Tokens are drawn by inverse
-  CDF with one uniform per (row, step) taken from `generator` up front, so a row's sample depends on the
-  seed and its row index only, not on when the other rows finish.
+  temperature=0 is greedy, a point mass, so its log-probs are 0 (= log 1). Tokens are drawn by
+  inverse CDF with one uniform per (row, step) taken from `generator` up front, so a row's sample
+  depends on the seed and its row index only, not on when the other rows finish.
 - Attention: `flash_attn_with_kvcache` when flash-attn is installed and the tensors are on CUDA in
-  bf16/fp16; PyTorch's scaled_dot_product_attention over the same cache otherwise. SDPA has no per-row
-  lengths, so each bucket of consecutive rows attends over the slots of its own longest row only.
+  bf16/fp16; PyTorch's scaled_dot_product_attention over the same cache otherwise. SDPA has no
+  per-row lengths, so each bucket of consecutive rows attends over the slots of its own longest row
+  only.
 """
 import functools
 import importlib.util
@@ -40,7 +43,8 @@ BUCKETS = 4  # rows are split into this many buckets of similar length (prefill;
 class Rollout:
     tokens: torch.Tensor  # (B, T) int64, response ids right-padded with 0
     token_logprobs: torch.Tensor  # (B, T) float32, log-prob of each sampled token, 0 at padding
-    response_mask: torch.Tensor  # (B, T) float32, 1.0 on response tokens (EOS included when produced)
+    # (B, T) float32, 1.0 on response tokens (EOS included when produced)
+    response_mask: torch.Tensor
 
     @property
     def response_ids(self):
@@ -63,21 +67,25 @@ class KVCache:
 
 @functools.cache
 def flash_attn_status():
-    """(usable, reason): whether flash-attn imports here, probed once. A wheel built for another torch or CUDA
-    is found by find_spec but fails on import; that must show at start-up, not inside the first decode after a
-    7B model has loaded. train.py and eval.py print the reason; generate() then uses SDPA."""
+    """(usable, reason): whether flash-attn imports here, probed once. A wheel built for another
+    torch or CUDA is found by find_spec but fails on import; that must show at start-up, not inside
+    the first decode after a 7B model has loaded. train.py and eval.py print the reason; generate()
+    then uses SDPA."""
     if importlib.util.find_spec("flash_attn") is None:
         return False, "flash-attn is not installed: decoding with PyTorch SDPA"
     try:
         from flash_attn import flash_attn_with_kvcache  # noqa: F401
-    except Exception as error:  # noqa: BLE001 - ImportError, OSError (undefined symbol), RuntimeError
+    except Exception as error:  # noqa: BLE001
+        # ImportError, OSError (undefined symbol), RuntimeError
         message = (str(error).splitlines() or [type(error).__name__])[0]
-        return False, f"flash-attn is installed but does not import ({message}): decoding with PyTorch SDPA"
+        return False, (f"flash-attn is installed but does not import ({message}): "
+                       "decoding with PyTorch SDPA")
     return True, "flash-attn imports: decoding with flash_attn_with_kvcache on CUDA"
 
 
 def flash_attention(q, k, v, k_cache, v_cache, seqlens, scale):
-    """The CUDA branch: one kernel writes k, v at slots seqlens.. of each row and attends causally."""
+    """The CUDA branch: one kernel writes k, v at slots seqlens.. of each row and attends
+    causally."""
     from flash_attn import flash_attn_with_kvcache
 
     return flash_attn_with_kvcache(
@@ -96,7 +104,8 @@ def causal_bias(positions, span, groups, dtype):
     position p iff j <= p (each row's own positions; slots past a row's length are masked)."""
     n, L = positions.shape
     visible = torch.arange(span, device=positions.device) <= positions[:, :, None]  # (n, L, span)
-    bias = torch.zeros(n, L, span, dtype=dtype, device=positions.device).masked_fill(~visible, -float("inf"))
+    bias = (torch.zeros(n, L, span, dtype=dtype, device=positions.device)
+            .masked_fill(~visible, -float("inf")))
     return bias[:, None, None].expand(n, 1, groups, L, span).reshape(n, 1, groups * L, span)
 
 
@@ -111,9 +120,11 @@ def sdpa_attention(q, k, v, k_cache, v_cache, positions, bias, scale):
     values = v_cache[:, :span].transpose(1, 2)
     # GQA: query head h reads kv head h // groups, so fold each kv head's groups queries into one
     # (n, kv_heads, groups * L, d) block instead of repeating the keys.
-    q = q.view(n, L, kv_heads, -1, head_dim).permute(0, 2, 3, 1, 4).reshape(n, kv_heads, -1, head_dim)
+    q = (q.view(n, L, kv_heads, -1, head_dim).permute(0, 2, 3, 1, 4)
+         .reshape(n, kv_heads, -1, head_dim))
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=scale)
-    return out.view(n, kv_heads, -1, L, head_dim).permute(0, 3, 1, 2, 4)  # (n, L, kv_heads, groups, d)
+    # (n, L, kv_heads, groups, d)
+    return out.view(n, kv_heads, -1, L, head_dim).permute(0, 3, 1, 2, 4)
 
 
 def forward(model, input_ids, cache):
@@ -125,7 +136,8 @@ def forward(model, input_ids, cache):
     positions = start[:, None].long() + torch.arange(L, device=input_ids.device)
     if not cache.flash:  # SDPA: each bucket of rows reads slots 0..span-1, span = its longest row's
         groups = model.config.num_attention_heads // model.config.num_key_value_heads
-        buckets = [(rows, causal_bias(positions[rows], int(start[rows].max()) + L, groups, cache.k.dtype))
+        buckets = [(rows, causal_bias(positions[rows], int(start[rows].max()) + L, groups,
+                                      cache.k.dtype))
                    for rows in row_buckets(n)]
     apply_rotary_pos_emb = sys.modules[type(model).__module__].apply_rotary_pos_emb
 
@@ -143,8 +155,9 @@ def forward(model, input_ids, cache):
         if cache.flash:
             out = flash_attention(q, k, v, cache.k[i, :n], cache.v[i, :n], start, attn.scaling)
         else:
-            out = torch.cat([sdpa_attention(q[rows], k[rows], v[rows], cache.k[i, rows], cache.v[i, rows],
-                                            positions[rows], bias, attn.scaling) for rows, bias in buckets])
+            out = torch.cat([sdpa_attention(q[rows], k[rows], v[rows], cache.k[i, rows],
+                                            cache.v[i, rows], positions[rows], bias, attn.scaling)
+                             for rows, bias in buckets])
         x = x + attn.o_proj(out.reshape(n, L, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     cache.seqlens[:n] += L
@@ -152,10 +165,11 @@ def forward(model, input_ids, cache):
 
 
 def prefill(model, prompts, cache):
-    """Run the prompts (one per cache row 0..len-1, longest first); return next-token logits (rows, V).
-    Each bucket of rows is right-padded to its own longest prompt. Padding sits after each prompt, so
-    causal attention keeps it out of every real token's view; its K/V slots are overwritten by decode,
-    which writes at seqlens = the true prompt length."""
+    """Run the prompts (one per cache row 0..len-1, longest first); return next-token logits
+    (rows, V).
+    Each bucket of rows is right-padded to its own longest prompt. Padding sits after each prompt,
+    so causal attention keeps it out of every real token's view; its K/V slots are overwritten by
+    decode, which writes at seqlens = the true prompt length."""
     device = cache.seqlens.device
     logits = []
     for rows in row_buckets(len(prompts)):
@@ -168,13 +182,15 @@ def prefill(model, prompts, cache):
         rows_cache = KVCache(cache.k[:, rows], cache.v[:, rows], cache.seqlens[rows], cache.flash)
         hidden = forward(model, input_ids, rows_cache)
         cache.seqlens[rows] = lengths.int()
-        last = hidden[torch.arange(len(bucket), device=device), lengths - 1]  # only the last token's logits
+        # only the last token's logits
+        last = hidden[torch.arange(len(bucket), device=device), lengths - 1]
         logits.append(model.lm_head(last).float())
     return torch.cat(logits)
 
 
 def decode(model, tokens, cache):
-    """One step for the first len(tokens) cache rows: feed each its last token, return logits (n, V)."""
+    """One step for the first len(tokens) cache rows: feed each its last token, return logits
+    (n, V)."""
     hidden = forward(model, tokens[:, None], cache)
     return model.lm_head(hidden[:, 0]).float()
 
@@ -189,11 +205,14 @@ def sample(logits, temperature, top_p, uniform):
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
         # nucleus: the most likely tokens until their mass reaches top_p (renormalized below)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(mass_before >= top_p, 0))
-    # inverse-CDF sampling: the first token whose cumulative probability exceeds uniform * total mass
+        probs = torch.zeros_like(probs).scatter(-1, order,
+                                                sorted_probs.masked_fill(mass_before >= top_p, 0))
+    # inverse-CDF sampling: the first token whose cumulative probability exceeds
+    # uniform * total mass
     cdf = probs.cumsum(-1, dtype=torch.float64)
     total = cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, uniform[:, None] * total, right=True).clamp(max=cdf.shape[-1] - 1)
+    tokens = (torch.searchsorted(cdf, uniform[:, None] * total, right=True)
+              .clamp(max=cdf.shape[-1] - 1))
     # its log-prob under the distribution sampled from: log(p / total), total = 1 without top-p
     return tokens[:, 0], (probs.gather(-1, tokens) / total).log().float()[:, 0]
 
@@ -216,15 +235,18 @@ def compact(cache, done, span):
 def check_model(model):
     config = model.config
     if config.model_type not in FAMILIES:
-        raise ValueError(f"rollout.generate supports model types {FAMILIES}, got '{config.model_type}'")
+        raise ValueError(f"rollout.generate supports model types {FAMILIES}, "
+                         f"got '{config.model_type}'")
     if "sliding_attention" in (getattr(config, "layer_types", None) or []):
         raise ValueError("rollout.generate does not implement sliding-window attention layers")
 
 
 @torch.no_grad()
-def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_token_id=None, generator=None):
+def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_token_id=None,
+             generator=None):
     """Sample one response per prompt (a list of token-id lists). `eos_token_id`: int, list or None
-    (then exactly max_new_tokens tokens per row). `generator`: a torch.Generator on the model's device."""
+    (then exactly max_new_tokens tokens per row). `generator`: a torch.Generator on the model's
+    device."""
     check_model(model)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
@@ -234,11 +256,13 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_tok
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
     config, param = model.config, next(model.parameters())
     device = param.device
-    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    eos = ([] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int)
+           else list(eos_token_id))
     eos = torch.tensor(eos, dtype=torch.long, device=device)
 
     # Cache slots hold the rows longest prompt first, so neighbouring slots have similar lengths.
-    # Identical prompts share one prefill: the distinct ones (also longest first) take the first slots.
+    # Identical prompts share one prefill: the distinct ones (also longest first) take the first
+    # slots.
     distinct = sorted(dict.fromkeys(map(tuple, prompts)), key=len, reverse=True)
     index = {prompt: i for i, prompt in enumerate(distinct)}
     slot_rows = sorted(range(len(prompts)), key=lambda row: -len(prompts[row]))
@@ -247,24 +271,28 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_tok
 
     num_rows, max_prompt = len(prompts), max(len(p) for p in prompts)
     head_dim = model.model.layers[0].self_attn.head_dim
-    shape = (config.num_hidden_layers, num_rows, max_prompt + max_new_tokens, config.num_key_value_heads, head_dim)
+    shape = (config.num_hidden_layers, num_rows, max_prompt + max_new_tokens,
+             config.num_key_value_heads, head_dim)
     flash = (device.type == "cuda" and param.dtype in (torch.float16, torch.bfloat16)
              and flash_attn_status()[0])
     cache = KVCache(
-        k=torch.zeros(shape, dtype=param.dtype, device=device),  # zeros: masked slots must not be NaN
+        # zeros: masked slots must not be NaN
+        k=torch.zeros(shape, dtype=param.dtype, device=device),
         v=torch.zeros(shape, dtype=param.dtype, device=device),
         seqlens=torch.zeros(num_rows, dtype=torch.int32, device=device),
         flash=flash,
     )
     logits = prefill(model, distinct, cache)
-    for layer_cache in (*cache.k, *cache.v):  # slot s <- the prefilled slot of its prompt, layer by layer
+    # slot s <- the prefilled slot of its prompt, layer by layer
+    for layer_cache in (*cache.k, *cache.v):
         layer_cache[:, :max_prompt] = layer_cache[source, :max_prompt]  # (the right side is a copy)
     cache.seqlens[:] = cache.seqlens[source]
     logits = logits[source]
 
-    # One uniform per (row, step), drawn up front: a row's samples depend on the seed and its row index
-    # only, not on which other rows are still running.
-    uniforms = torch.rand(num_rows, max_new_tokens, generator=generator, device=device, dtype=torch.float64)
+    # One uniform per (row, step), drawn up front: a row's samples depend on the seed and its row
+    # index only, not on which other rows are still running.
+    uniforms = torch.rand(num_rows, max_new_tokens, generator=generator, device=device,
+                          dtype=torch.float64)
     tokens_out = torch.zeros(num_rows, max_new_tokens, dtype=torch.long, device=device)
     logprobs_out = torch.zeros(num_rows, max_new_tokens, dtype=torch.float32, device=device)
     lengths = torch.full((num_rows,), max_new_tokens, device=device)

@@ -4,8 +4,9 @@
   rank's device, and the compute dtype. "auto" is bf16 where the device computes it natively (CUDA
   with bf16, CPUs with AVX512-BF16 or AMX) and fp32 elsewhere: on AVX2-only CPUs bf16 is emulated,
   about 3x slower than fp32.
-- `stop_if_any_rank`, `all_reduce_sums`, `barrier`: the collectives of the loop. Every rank calls
-  them at the same point, so a rank never stops alone and leaves the others waiting in a collective.
+- `stop_if_any_rank`, `all_reduce_sums`, `all_reduce_max`, `barrier`: the collectives of the loop.
+  Every rank calls them at the same point, so a rank never stops alone and leaves the others waiting
+  in a collective.
 - `make_sampler`, `release_sampler`, `refresh_sampler`: the compute-dtype copy of the policy that
   rollout.generate samples from, its memory given to the training pass in between.
 - `wrap` / `unwrap`: the policy under DDP or FSDP2 (`shard`), and the plain model inside it;
@@ -91,6 +92,14 @@ def all_reduce_sums(sums, device):
     if dist.is_initialized():
         dist.all_reduce(total)
     return dict(zip(sums, total.tolist()))
+
+
+def all_reduce_max(value, device):
+    """The largest of one float over all ranks."""
+    total = torch.tensor(value, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    return total.item()
 
 
 def barrier():

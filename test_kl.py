@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from advantage import group_mean, group_normalized, policy_loss, rloo
+from advantage import group_mean, group_normalized, policy_loss, rloo, truncated_is_loss
 from kl import KINDS, PLACES, estimate, kl_loss, off_policy_kl_loss, shape_rewards
 
 f64 = torch.float64
@@ -470,3 +470,18 @@ def test_liu_k2_as_loss_equals_k1_in_reward_for_the_whole_sequence(T, theta, ref
                                            retain_graph=True))
     assert close(grad, references(m)["true"])
     assert close(grad, expected_loss_grad(m, "k1", "reward", beta) / beta)
+
+
+def test_truncated_is_loss_by_hand():
+    """prime-rl's -min(w, C) A: gradient -w A / num_tokens per token where w <= C, 0 past the cap."""
+    g = torch.Generator().manual_seed(2)
+    logp = (-3 * torch.rand(3, 5, dtype=f64, generator=g)).requires_grad_()
+    behaviour = logp.detach() + torch.tensor([-3.0, -1.0, 0.0, 1.0, 3.0], dtype=f64)  # w = e^3 ... e^-3
+    advantages, mask = torch.tensor([1.0, -2.0, 0.5], dtype=f64), torch.ones(3, 5, dtype=f64)
+    mask[2, 4] = 0
+    loss, truncated = truncated_is_loss(logp, behaviour, advantages, mask, num_tokens=7.0, cap=8.0)
+    (grad,) = torch.autograd.grad(loss, logp)
+    w = (logp - behaviour).exp().detach()
+    assert close(loss, (mask * -w.clamp(max=8.0) * advantages[:, None]).sum() / 7)
+    assert close(grad, mask * -w * advantages[:, None] * (w <= 8.0) / 7)
+    assert close(truncated, torch.tensor(3 / 7.0, dtype=f64))  # w = e^3 > 8 in each row

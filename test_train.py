@@ -251,6 +251,18 @@ def test_torchrun_two_ranks_match_one_process(tiny, two_steps, tmp_path, paralle
     assert (tmp_path / "final" / "rng_rank1.pt").is_file()
 
 
+@pytest.mark.parametrize("parallel", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
+def test_async_torchrun_two_ranks_match_one_process(tiny, tmp_path, parallel):
+    """--async-lag 1 with a queue on each rank: torchrun x2 ends where one process ends."""
+    extra = ("--steps", "3", "--async-lag", "1", "--loss", "truncated", "--micro-batch", "3", *SGD)
+    train(flags(tiny, tmp_path / "one", *extra), patches=("sgd", "row_seeded"))
+    result = run_module(flags(tiny, tmp_path / "two", *extra, *parallel), patches=("sgd", "row_seeded"),
+                        procs=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [row["lag"] for row in metrics(tmp_path / "two")] == [0, 1, 1]
+    assert_same(weights(tmp_path / "two" / "final"), weights(tmp_path / "one" / "final"), atol=1e-5)
+
+
 def test_kill_during_save_then_resume_equals_straight_run(tiny, tmp_path):
     extra = ("--steps", "4", "--save-every", "2", "--minibatches", "2", "--micro-batch", "3", "--lr", "1e-2")
     train(flags(tiny, tmp_path / "straight", *extra))
@@ -265,6 +277,73 @@ def test_kill_during_save_then_resume_equals_straight_run(tiny, tmp_path):
     timing = ("sample_s", "train_s", "tokens_per_s")
     strip = lambda rows: [{k: v for k, v in row.items() if k not in timing} for row in rows]  # noqa: E731
     assert strip(metrics(tmp_path / "killed")) == strip(metrics(tmp_path / "straight"))
+
+
+def without_timings(rows):
+    return [{k: v for k, v in row.items() if k not in ("sample_s", "train_s", "tokens_per_s")} for row in rows]
+
+
+def test_async_lag_samples_with_the_weights_n_updates_older(tiny, tmp_path):
+    """--async-lag 2: the first three batches are sampled by the initial weights (the queue fills),
+    then each step samples one more with its current weights, so the batch of step s was sampled by
+    the weights after update max(0, s - 3); the sampler's weights at every generate call are those of
+    the --save-every 1 checkpoints, exactly."""
+    import advantage
+    import rollout
+
+    generate, loss, seen, outs, behaviour = rollout.generate, advantage.truncated_is_loss, [], [], []
+
+    def recording_generate(model, *args, **kwargs):
+        seen.append({name: p.detach().clone() for name, p in model.named_parameters()})
+        outs.append(generate(model, *args, **kwargs))
+        return outs[-1]
+
+    def recording_loss(logp, behaviour_logp, *args):
+        behaviour.append(behaviour_logp)
+        return loss(logp, behaviour_logp, *args)
+
+    train(flags(tiny, tmp_path, "--steps", "5", "--async-lag", "2", "--save-every", "1", "--lr", "1e-2",
+                "--loss", "truncated"), rollout__generate=recording_generate,
+          advantage__truncated_is_loss=recording_loss)
+    expected = [tiny["initial"]] * 3 + [weights(tmp_path / f"step_{k}") for k in (1, 2, 3, 4)]
+    assert len(seen) == len(expected)
+    for got, want in zip(seen, expected):
+        assert_same(got, want, atol=0)
+    # step s trains on generate call s - 1, its importance ratio against that call's log-probs
+    for step, behaviour_logp in enumerate(behaviour, start=1):
+        assert torch.equal(behaviour_logp, outs[step - 1].token_logprobs), step
+    rows = metrics(tmp_path)
+    assert [row["lag"] for row in rows] == [0, 1, 2, 2, 2]
+    assert all(row["skipped"] == 0 and row["ratio_max"] > 0 for row in rows)
+    assert rows[0]["ratio_outside"] == 0 and abs(rows[0]["ratio_mean"] - 1) < 1e-4  # fp32, on-policy
+    assert rows[-1]["behaviour_kl_k3"] > 0  # two updates separate sampler and trainer
+
+
+def test_weighted_kl_on_and_off_policy(tiny, tmp_path):
+    """--place weighted (kl.off_policy_kl_loss): on-policy w = 1, so the logged KL loss is beta times
+    the K1 per token; with --async-lag the weights pi/mu enter and the run stays finite."""
+    train(flags(tiny, tmp_path / "on", "--steps", "3", "--place", "weighted", "--beta", "0.5",
+                "--lr", "1e-2"))
+    for row in metrics(tmp_path / "on")[1:]:
+        assert abs(row["kl_k1"]) > 1e-4  # a sample estimate: either sign
+        assert row["kl_loss"] == pytest.approx(0.5 * row["kl_k1"] / row["response_len"], rel=1e-5)
+    train(flags(tiny, tmp_path / "off", "--steps", "4", "--place", "weighted", "--async-lag", "2",
+                "--lr", "1e-2", "--loss", "truncated", "--advantage", "drgrpo"))
+    rows = metrics(tmp_path / "off")
+    assert [row["lag"] for row in rows] == [0, 1, 2, 2] and all(row["skipped"] == 0 for row in rows)
+    assert rows[-1]["kl_loss"] != 0
+
+
+def test_async_resume_with_a_non_empty_queue(tiny, tmp_path):
+    """A checkpoint holds the batches sampled ahead: 2 steps, then --resume to 4, equals 4 steps
+    straight, bit for bit."""
+    extra = ("--async-lag", "2", "--lr", "1e-2", "--advantage", "drgrpo", "--loss", "truncated")
+    train(flags(tiny, tmp_path / "straight", "--steps", "4", *extra))
+    train(flags(tiny, tmp_path / "resumed", "--steps", "2", *extra))
+    assert (tmp_path / "resumed" / "final" / "queue_rank0.pt").is_file()
+    train(flags(tiny, tmp_path / "resumed", "--steps", "4", *extra, "--resume"))
+    assert_same(weights(tmp_path / "resumed" / "final"), weights(tmp_path / "straight" / "final"), atol=0)
+    assert without_timings(metrics(tmp_path / "resumed")) == without_timings(metrics(tmp_path / "straight"))
 
 
 @pytest.mark.parametrize("no_kl", [["--place", "none"], ["--beta", "0"]], ids=["place-none", "beta-0"])
@@ -409,6 +488,8 @@ def test_a_rank_that_must_stop_stops_every_rank(tiny, tmp_path):
     (["--model", "nobody/no-such-model"], "nobody/no-such-model"),  # a hub id, offline
     (["--task", "no-such-task"], "no-such-task"),
     (["--top-p", "0.9"], "--top-p < 1"),
+    (["--kl", "k3", "--place", "weighted"], "--place weighted"),
+    (["--async-lag", "-1"], "--async-lag"),
 ])
 def test_bad_flags_fail_with_one_line(tiny, tmp_path, bad, named):
     with pytest.raises(SystemExit) as error:

@@ -31,6 +31,7 @@ Checkpoints and --resume: checkpoint.py.
     torchrun --nproc_per_node=8 train.py --kl k3 --place loss --fsdp --model Qwen/Qwen2.5-7B ...
 """
 import argparse
+import collections
 import contextlib
 import json
 import math
@@ -55,6 +56,9 @@ import runtime
 from hub import HubUnreachable
 from model import load_model, load_tokenizer, stop_token_ids
 
+ADVANTAGES = {"rloo": advantage.rloo, "drgrpo": advantage.group_mean,
+              "grpo": advantage.group_normalized}
+
 parser = argparse.ArgumentParser(description="KL-regularized RLOO fine-tuning of an LLM",
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
 group = parser.add_argument_group("KL regularization (sec. 3, Table 1)")
@@ -63,7 +67,9 @@ group.add_argument("--kl", required=True, choices=kl.KINDS,
                         "k2 = (log pi/pi_ref)^2 / 2, k3 = r - 1 - log r with r = pi_ref/pi "
                         "(eq. 14)")
 group.add_argument("--place", required=True, choices=kl.PLACES,
-                   help="where the estimate goes: the reward (eq. 7), the loss (eq. 9), both, none")
+                   help="where the estimate goes: the reward (eq. 7), the loss (eq. 9), both, "
+                        "none; weighted = w sg[K1] in the loss, w = prod_t pi/mu: unbiased "
+                        "off-policy")
 group.add_argument("--beta", type=float, default=0.05,
                    help="KL coefficient (paper: 0.05, 0.1, 0.3, 1)")
 group.add_argument("--kl-clamp", default="none", choices=kl.CLAMPS,
@@ -85,6 +91,17 @@ group.add_argument("--max-grad-norm", type=float, default=1.0,
                    help="clip the global gradient norm to this")
 group.add_argument("--steps", type=int, default=20,
                    help="training steps, one sampled batch each (paper: 250)")
+group.add_argument("--advantage", default="rloo", choices=ADVANTAGES,
+                   help="rloo = leave-one-out baseline (sec. 4.1); drgrpo = group mean (Dr. GRPO, "
+                        "the asynchronous runs of sec. 4.2); grpo = group mean and std")
+group = parser.add_argument_group("asynchronous RL (sec. 4.2)")
+group.add_argument("--async-lag", type=int, default=0,
+                   help="train on batches sampled N updates earlier (prime-rl's async level; "
+                        "paper: 10); 0 = on-policy")
+group.add_argument("--loss", default="ppo", choices=("ppo", "truncated"),
+                   help="ppo = PPO clip (eq. 4); truncated = prime-rl's -min(w, C) A per token, "
+                        "w against the log-probs of the sampler")
+group.add_argument("--is-cap", type=float, default=8.0, help="C of --loss truncated (prime-rl: 8)")
 group = parser.add_argument_group("sampling")
 group.add_argument("--max-new-tokens", type=int, default=40,
                    help="response length cap (paper: 1024)")
@@ -153,6 +170,8 @@ def check_flags(args, world_size):
         (args.micro_batch >= 1 and args.max_new_tokens >= 1 and args.steps >= 0 and args.lr > 0,
          "--micro-batch and --max-new-tokens must be >= 1, --steps >= 0, --lr > 0"),
         (args.temperature > 0, "--temperature must be > 0"),
+        (args.async_lag >= 0 and args.is_cap > 0, "--async-lag must be >= 0, --is-cap > 0"),
+        (args.place != "weighted" or args.kl == "k1", "--place weighted weights K1: use --kl k1"),
         (args.top_p == 1, "--top-p < 1 is for eval.py: the trainer's log-probs, ratio and KL are "
                           "under the full softmax, so they would describe another distribution "
                           "than the one sampled"),
@@ -297,8 +316,9 @@ def main(argv=None):
         reference = runtime.shard(reference) if args.fsdp else reference.to(device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.01)
     start_step, position = 0, 0  # steps done, prompts consumed (over all ranks)
+    queue = collections.deque()  # batches sampled ahead (--async-lag), oldest first
     if resume_from is not None:
-        checkpoint.load(resume_from, policy, optimizer, generator, rank)
+        queue = checkpoint.load(resume_from, policy, optimizer, generator, rank)
         start_step, position = trainer_state["step"], trainer_state["data_position"]
     if rank == 0:
         metrics_path = checkpoint.start_log(args, start_step, resumed=resume_from is not None)
@@ -320,14 +340,22 @@ def main(argv=None):
         # ------------------------------------------------------------ rollout
         t0 = time.time()
         runtime.return_freed_memory()
-        problems = prompt_batch(examples, position + rank * prompts_per_rank, prompts_per_rank,
-                                args.seed)
-        position += args.prompts_per_step
-        # each prompt's G completions are contiguous: an RLOO group
+        # --async-lag N: the batch trained on was sampled N updates ago (the first ones by the
+        # initial weights), so N + 1 batches are sampled ahead, each with the step of its weights
+        while len(queue) <= args.async_lag:
+            problems = prompt_batch(examples, position + rank * prompts_per_rank, prompts_per_rank,
+                                    args.seed)
+            position += args.prompts_per_step
+            # each prompt's G completions are contiguous: an RLOO group
+            prompts = [ids for example in problems
+                       for ids in [data.prompt_ids(tokenizer, example)] * G]
+            out = rollout.generate(sampler, prompts, args.max_new_tokens, temperature, args.top_p,
+                                   stop_ids, generator)
+            queue.append({"weights_step": step - 1, "problems": problems, "prompts": prompts,
+                          "out": out})
+        sampled = queue.popleft()
+        problems, prompts, out = sampled["problems"], sampled["prompts"], sampled["out"]
         batch = [example for example in problems for _ in range(G)]
-        prompts = [ids for example in problems for ids in [data.prompt_ids(tokenizer, example)] * G]
-        out = rollout.generate(sampler, prompts, args.max_new_tokens, temperature, args.top_p,
-                               stop_ids, generator)
         tokens, mask = out.tokens, out.response_mask
         runtime.release_sampler(sampler, policy)  # its memory goes to training until the refresh
         sample_s = time.time() - t0
@@ -349,7 +377,9 @@ def main(argv=None):
         # ------------------------------------------------------------ shape (eq. 7), advantage
         returns = kl.shape_rewards(scores, old_logp, ref_logp, mask, args.kl, args.place, args.beta,
                                    args.kl_clamp)
-        advantages = advantage.rloo(returns, G)
+        advantages = ADVANTAGES[args.advantage](returns, G)
+        # the policy that sampled: the sampler's log-probs (--async-lag), else the fp32 pass
+        behaviour_logp = out.token_logprobs if args.async_lag else old_logp
 
         # ------------------------------------------------------------ loss and step
         losses, grad_norms, skipped = [], [], 0  # losses: sums over all ranks, a row per minibatch
@@ -377,12 +407,21 @@ def main(argv=None):
                                              mask[rows], temperature, dtype)
                     if dtype != logprob_dtype:  # exact_logp's values, this pass's gradient
                         logp = logp + (exact_logp[rows - minibatch[0]] - logp).detach()
-                    # on-policy (one minibatch) the ratio is exactly 1: old_logp = sg[logp]
-                    old = logp.detach() if args.minibatches == 1 else old_logp[rows]
-                    pg_loss, clip_frac = advantage.policy_loss(
-                        logp, old, advantages[rows], mask[rows], num_tokens, args.clip_eps)
-                    kl_loss = kl.kl_loss(logp, ref_logp[rows], mask[rows], args.kl, args.place,
-                                         args.beta, num_tokens, args.kl_clamp)
+                    # on-policy (one minibatch, no lag) the ratio is exactly 1: old = sg[logp]
+                    on_policy = args.minibatches == 1 and not args.async_lag
+                    old = logp.detach() if on_policy else behaviour_logp[rows]
+                    if args.loss == "ppo":
+                        pg_loss, clip_frac = advantage.policy_loss(
+                            logp, old, advantages[rows], mask[rows], num_tokens, args.clip_eps)
+                    else:  # clip_frac: the truncated fraction
+                        pg_loss, clip_frac = advantage.truncated_is_loss(
+                            logp, old, advantages[rows], mask[rows], num_tokens, args.is_cap)
+                    if args.place == "weighted":  # unbiased off-policy: w sg[K1], w = pi/mu
+                        kl_loss = kl.off_policy_kl_loss(logp, old, ref_logp[rows], mask[rows],
+                                                        args.beta, num_tokens)
+                    else:
+                        kl_loss = kl.kl_loss(logp, ref_logp[rows], mask[rows], args.kl, args.place,
+                                             args.beta, num_tokens, args.kl_clamp)
                     # DDP and FSDP average gradients over ranks; num_tokens counts all ranks already
                     ((pg_loss + kl_loss) * world_size).backward()
                 sums += torch.stack([pg_loss.detach(), kl_loss.detach(), clip_frac]).double()
@@ -408,12 +447,21 @@ def main(argv=None):
         with torch.no_grad():
             k1 = (mask * kl.estimate(old_logp, ref_logp, "k1")).sum(1)  # per sequence (eq. 5)
             k3 = (mask * kl.estimate(old_logp, ref_logp, "k3")).sum(1)
+            # the sampler mu against the current pi, on mu's samples: KL(mu || pi), ratio pi/mu
+            sampler_logp = out.token_logprobs
+            mu_k1 = (mask * kl.estimate(sampler_logp, old_logp, "k1")).sum(1)
+            mu_k3 = (mask * kl.estimate(sampler_logp, old_logp, "k3")).sum(1)
+            ratio = (old_logp - sampler_logp).exp()
+            ratio_max = runtime.all_reduce_max((mask * ratio).max().item(), device)
         total = runtime.all_reduce_sums({
             "sequences": len(batch), "score": scores.sum().item(),
             "correct": (scores >= 1).sum().item(), "return": returns.sum().item(),
             "kl_k1": k1.sum().item(), "kl_k3": k3.sum().item(), "tokens": mask.sum().item(),
             "entropy": entropy.sum().item(),
-            "mismatch_kl": (mask * (out.token_logprobs - old_logp)).sum().item()}, device)
+            "mismatch_kl": (mask * (sampler_logp - old_logp)).sum().item(),
+            "behaviour_kl_k1": mu_k1.sum().item(), "behaviour_kl_k3": mu_k3.sum().item(),
+            "ratio": (mask * ratio).sum().item(),
+            "ratio_outside": (mask * ((ratio < 0.5) | (ratio > 2))).sum().item()}, device)
         n, num_resp = total["sequences"], total["tokens"]
         pg_loss, kl_loss, clip_frac = np.mean(losses, axis=0).tolist()
         row = {"step": step, "reward": total["score"] / n, "accuracy": total["correct"] / n,
@@ -424,6 +472,11 @@ def main(argv=None):
                "entropy": total["entropy"] / num_resp, "response_len": num_resp / n,
                "grad_norm": float(np.mean(grad_norms)), "clip_frac": clip_frac,
                "mismatch_kl": total["mismatch_kl"] / num_resp,
+               "lag": step - 1 - sampled["weights_step"],
+               "behaviour_kl_k1": total["behaviour_kl_k1"] / n,
+               "behaviour_kl_k3": total["behaviour_kl_k3"] / n,
+               "ratio_mean": total["ratio"] / num_resp, "ratio_max": ratio_max,
+               "ratio_outside": total["ratio_outside"] / num_resp,
                "lr": optimizer.param_groups[0]["lr"], "sample_s": sample_s, "train_s": train_s,
                "tokens_per_s": num_resp / (sample_s + train_s), "skipped": skipped}
         if args.eval_every and step % args.eval_every == 0:
@@ -447,21 +500,22 @@ def main(argv=None):
                          f"step {step}; stopping. The last good checkpoint is {last_good}",
                          "train.py")
         if args.save_every and step % args.save_every == 0:
-            save(args, step, position, world_size, policy, tokenizer, optimizer, generator, rank)
+            save(args, step, position, world_size, policy, tokenizer, optimizer, generator, queue,
+                 rank)
 
     save(args, max(args.steps, start_step), position, world_size, policy, tokenizer, optimizer,
-         generator, rank, name="final")
+         generator, queue, rank, name="final")
     print0(f"saved {args.out / 'final'}")
     runtime.finish()
 
 
-def save(args, step, position, world_size, policy, tokenizer, optimizer, generator, rank,
+def save(args, step, position, world_size, policy, tokenizer, optimizer, generator, queue, rank,
          name=None):
     """checkpoint.save to OUT/step_N (or OUT/NAME), with the state that --resume continues from."""
     trainer_state = {"step": step, "data_position": position, "world_size": world_size,
                      "flags": checkpoint.run_flags(args)}
     checkpoint.save(args.out / (name or f"step_{step}"), policy, tokenizer, optimizer, generator,
-                    trainer_state, rank)
+                    queue, trainer_state, rank)
 
 
 if __name__ == "__main__":

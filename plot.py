@@ -1,13 +1,15 @@
-"""Pictures of runs: training curves (as the paper's Fig. 2-4) and final evaluation bars (as its Fig. 5-6).
+"""Pictures of runs: training curves (as the paper's Fig. 2-4) and final evaluation bars (Fig. 5-6).
 
     python plot.py runs/a runs/b ... --out fig.png
 
 A run directory holds what train.py and eval.py write there:
-- metrics.jsonl: one JSON object per step (step, reward, kl_k1, kl_k3, entropy, response_len, grad_norm,
-  and at --eval-every steps eval/<task>/accuracy); missing keys leave a gap, NaN (a skipped step) too;
+- metrics.jsonl: one JSON object per step (step, reward, kl_k1, kl_k3, entropy, response_len,
+  grad_norm, and at --eval-every steps eval/<task>/accuracy); missing keys leave a gap, NaN
+  (a skipped step) too;
 - config.json: train.py's flags, for the label "k1-in-reward β=0.1" (else the directory name);
-- eval.json: `python eval.py --model RUN/final --out RUN ...`, for the bar chart (mean@k ± stderr per task);
-  also RUN/*/eval.json (one eval.py --out per setting, e.g. RUN/eval-math500), all tasks merged.
+- eval.json: `python eval.py --model RUN/final --out RUN ...`, for the bar chart
+  (mean@k ± stderr per task); also RUN/*/eval.json (one eval.py --out per setting,
+  e.g. RUN/eval-math500), all tasks merged.
 Each run gets one colour in every panel.
 """
 import argparse
@@ -20,11 +22,15 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt
 
-parser = argparse.ArgumentParser(description="training curves and final evaluation of RL runs, as one PNG")
-parser.add_argument("runs", nargs="+", help="run directories (metrics.jsonl, config.json, eval.json)")
+parser = argparse.ArgumentParser(description="training curves and final evaluation of RL runs, "
+                                             "as one PNG")
+parser.add_argument("runs", nargs="+",
+                    help="run directories (metrics.jsonl, config.json, eval.json)")
 parser.add_argument("--out", default="fig.png", help="output PNG path")
-parser.add_argument("--dpi", type=int, default=100, help="resolution of the PNG (the figure is 16 x 10.5 inches)")
-parser.add_argument("--smooth", type=float, default=0.0, help="EMA weight in [0, 1) for curves; 0 = raw")
+parser.add_argument("--dpi", type=int, default=100,
+                    help="resolution of the PNG (the figure is 16 x 10.5 inches)")
+parser.add_argument("--smooth", type=float, default=0.0,
+                    help="EMA weight in [0, 1) for curves; 0 = raw")
 
 CURVES = [  # (metrics.jsonl key, panel title); "eval" stands for every eval/<task>/accuracy key
     ("reward", "train reward"),
@@ -56,7 +62,8 @@ def read_metrics(path):
 
 
 def run_label(run):
-    """'k1-in-reward β=0.1' from the run's config.json (train.py's flags), else the directory name."""
+    """'k1-in-reward β=0.1' from the run's config.json (train.py's flags), else the directory
+    name."""
     config_path = run / "config.json"
     if not config_path.is_file():
         return run.name
@@ -67,7 +74,8 @@ def run_label(run):
 
 
 def read_evals(run):
-    """{task: result} from RUN/eval.json and RUN/*/eval.json; a .jsonl task is named by its file stem."""
+    """{task: result} from RUN/eval.json and RUN/*/eval.json; a .jsonl task is named by its file
+    stem."""
     results = {}
     for path in [run / "eval.json", *sorted(run.glob("*/eval.json"))]:
         if path.is_file():
@@ -87,14 +95,17 @@ def ema(values, weight):
 
 
 def series(rows, key):
-    """(steps, values) of the rows that have `key`; the step is the row's 'step', else its position."""
-    pairs = [(row.get("step", i), row[key]) for i, row in enumerate(rows) if row.get(key) is not None]
+    """(steps, values) of the rows that have `key`; the step is the row's 'step', else its
+    position."""
+    pairs = [(row.get("step", i), row[key]) for i, row in enumerate(rows)
+             if row.get(key) is not None]
     return [step for step, _ in pairs], [float(value) for _, value in pairs]
 
 
 def eval_keys(rows):
     """The eval accuracy keys of a run's rows (eval/<task>/accuracy), sorted."""
-    return sorted({key for row in rows for key in row if key.startswith("eval") and key.endswith("accuracy")})
+    return sorted({key for row in rows for key in row
+                   if key.startswith("eval") and key.endswith("accuracy")})
 
 
 def main(argv=None):
@@ -106,7 +117,8 @@ def main(argv=None):
         if not run.is_dir():
             parser.error(f"{run} is not a directory")
     labels = [run_label(run) for run in runs]
-    labels = [label if labels.count(label) == 1 else f"{label} ({run.name})" for label, run in zip(labels, runs)]
+    labels = [label if labels.count(label) == 1 else f"{label} ({run.name})"
+              for label, run in zip(labels, runs)]
     metrics = [read_metrics(run / "metrics.jsonl") for run in runs]
     evals = [read_evals(run) for run in runs]
     colors = [f"C{i % 10}" for i in range(len(runs))]
@@ -124,14 +136,16 @@ def main(argv=None):
             for curve_key in all_eval_keys if key == "eval" else [key]:
                 steps, values = series(rows, curve_key)
                 style = LINESTYLES[all_eval_keys.index(curve_key) % 4] if key == "eval" else "-"
-                axis.plot(steps, ema(values, args.smooth), color=color, linestyle=style, linewidth=1.5,
-                          marker="o" if key == "eval" else None, markersize=3)
+                axis.plot(steps, ema(values, args.smooth), color=color, linestyle=style,
+                          linewidth=1.5, marker="o" if key == "eval" else None, markersize=3)
         if key == "eval" and all_eval_keys:  # name the eval tasks by their line style
             for style, eval_key in zip(LINESTYLES * len(all_eval_keys), all_eval_keys):
-                axis.plot([], [], color="gray", linestyle=style, label=eval_key.removesuffix("/accuracy"))
+                axis.plot([], [], color="gray", linestyle=style,
+                          label=eval_key.removesuffix("/accuracy"))
             axis.legend(fontsize=8)
         if not any(len(line.get_xdata()) for line in axis.lines):
-            axis.text(0.5, 0.5, "no data", ha="center", va="center", transform=axis.transAxes, color="gray")
+            axis.text(0.5, 0.5, "no data", ha="center", va="center", transform=axis.transAxes,
+                      color="gray")
     legend_axis = figure.add_subplot(grid[1, 3])
     legend_axis.axis("off")
     for label, color in zip(labels, colors):
@@ -141,14 +155,17 @@ def main(argv=None):
     if has_bars:  # Fig. 5-6: final mean@k ± stderr per task, one bar per run
         axis = figure.add_subplot(grid[2, :])
         tasks = list(dict.fromkeys(task for results in evals for task in results))
-        evaluated = [(results, label, color) for results, label, color in zip(evals, labels, colors) if results]
+        evaluated = [(results, label, color) for results, label, color in zip(evals, labels, colors)
+                     if results]
         width = 0.8 / len(evaluated)
         for r, (results, label, color) in enumerate(evaluated):
-            xs = [t + (r - (len(evaluated) - 1) / 2) * width for t, task in enumerate(tasks) if task in results]
+            xs = [t + (r - (len(evaluated) - 1) / 2) * width for t, task in enumerate(tasks)
+                  if task in results]
             heights = [results[task]["accuracy"] for task in tasks if task in results]
             errors = [results[task].get("stderr", 0.0) for task in tasks if task in results]
             axis.bar(xs, heights, width, yerr=errors, capsize=3, color=color, label=label)
-        samples = sorted({results[task].get("samples") for results in evals for task in results} - {None})
+        samples = sorted({results[task].get("samples") for results in evals for task in results}
+                         - {None})
         axis.set_ylabel(f"mean@{samples[0]} accuracy" if len(samples) == 1 else "mean@k accuracy")
         axis.set_xticks(range(len(tasks)), tasks)
         axis.set_title("final evaluation (± standard error over problems)", fontsize=11)
@@ -159,14 +176,17 @@ def main(argv=None):
 
 
 def table(labels, metrics, evals, last=5):
-    """A markdown table: each run's final eval (mean@k ± stderr per task) and its last `last` training steps."""
+    """A markdown table: each run's final eval (mean@k ± stderr per task) and its last `last`
+    training steps."""
     tasks = list(dict.fromkeys(task for results in evals for task in results))
-    keys = [("reward", "train reward"), ("kl_k1", "KL (K1)"), ("kl_k3", "KL (K3)"), ("entropy", "entropy")]
-    lines = ["| run | " + " | ".join(tasks + [f"{name}, last {last} steps" for _, name in keys]) + " | skipped |",
+    keys = [("reward", "train reward"), ("kl_k1", "KL (K1)"), ("kl_k3", "KL (K3)"),
+            ("entropy", "entropy")]
+    lines = ["| run | " + " | ".join(tasks + [f"{name}, last {last} steps"
+                                              for _, name in keys]) + " | skipped |",
              "|---" * (len(tasks) + len(keys) + 2) + "|"]
     for label, rows, results in zip(labels, metrics, evals):
-        cells = [f"{results[task]['accuracy']:.3f} ± {results[task].get('stderr', 0):.3f}" if task in results
-                 else "" for task in tasks]
+        cells = [f"{results[task]['accuracy']:.3f} ± {results[task].get('stderr', 0):.3f}"
+                 if task in results else "" for task in tasks]
         for key, _ in keys:
             values = [v for v in series(rows, key)[1][-last:] if math.isfinite(v)]
             cells.append(f"{sum(values) / len(values):.3f}" if values else "")

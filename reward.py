@@ -1,15 +1,17 @@
-"""Verifiable rewards (sec. 2): R(y, y*) = 1[Extract(y) = y*], Extract = the last \\boxed{} of the response.
+"""Verifiable rewards (sec. 2): R(y, y*) = 1[Extract(y) = y*], Extract = the last \\boxed{} of y.
 
 - `math_reward`: equivalence of the boxed answer with the gold answer is decided by Hugging Face's
-  `math-verify` (both sides parsed as LaTeX, then `verify`), so 1/2 = 0.5 = \\dfrac{1}{2}, x = 3 = 3,
-  10\\text{ cm} = 10, [1, 2) != (1, 2], {1, 2} = {2, 1}, (1, 2) != (2, 1).
+  `math-verify` (both sides parsed as LaTeX, then `verify`), so 1/2 = 0.5 = \\dfrac{1}{2},
+  x = 3 = 3, 10\\text{ cm} = 10, [1, 2) != (1, 2], {1, 2} = {2, 1}, (1, 2) != (2, 1).
 - `choice_reward`: multiple choice (MMLU), the boxed letter, also written (B) or \\text{B}.
-- `countdown_reward`: an arithmetic expression over the given numbers, parsed with `ast` (never eval'd).
+- `countdown_reward`: an arithmetic expression over the given numbers, parsed with `ast`
+  (never eval'd).
 
-No reward raises or hangs, whatever the policy writes. Sympy can spin for minutes on 10^{10^{10}}, and
-math-verify's own timeout is a SIGALRM that only works in the main thread, so the sympy work runs in a
-small helper process (`python reward.py --serve`, one per calling thread). It gives each comparison
-`TIMEOUT_S` seconds of CPU time, and is killed and replaced if an answer takes `WALL_TIMEOUT_S`.
+No reward raises or hangs, whatever the policy writes. Sympy can spin for minutes on 10^{10^{10}},
+and math-verify's own timeout is a SIGALRM that only works in the main thread, so the sympy work
+runs in a small helper process (`python reward.py --serve`, one per calling thread). It gives each
+comparison `TIMEOUT_S` seconds of CPU time, and is killed and replaced if an answer takes
+`WALL_TIMEOUT_S`.
 """
 import ast
 import atexit
@@ -26,14 +28,17 @@ from importlib.util import find_spec
 if find_spec("math_verify") is None:  # fail at import, not as a silent reward of 0 on every answer
     raise ImportError("reward.py needs math-verify: pip install math-verify")
 
-TIMEOUT_S = 1.0  # CPU seconds for one math-verify comparison (the slowest of 1,000 on MATH500: 0.14 s)
-WALL_TIMEOUT_S = 10.0  # backstop: the helper is killed when an answer takes this long in wall-clock time
+# CPU seconds for one math-verify comparison (the slowest of 1,000 on MATH500: 0.14 s)
+TIMEOUT_S = 1.0
+# backstop: the helper is killed when an answer takes this long in wall-clock time
+WALL_TIMEOUT_S = 10.0
 MAX_ANSWER_CHARS = 400  # longest boxed answer we hand to sympy (MATH's longest gold answer: 159)
 MAX_EXPRESSION_CHARS = 200  # longest countdown expression we parse
 
 
 def extract_boxed(text):
-    """Content of the last \\boxed{...} or \\fbox{...} (balanced braces), or of `\\boxed 5`; None if none."""
+    """Content of the last \\boxed{...} or \\fbox{...} (balanced braces), or of `\\boxed 5`;
+    None if none."""
     if not isinstance(text, str):
         return None
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
@@ -54,42 +59,49 @@ def extract_boxed(text):
     return None  # unbalanced: the box never closes
 
 
-# ---- math (math-verify) ----------------------------------------------------------------------------
+# ---- math (math-verify) --------------------------------------------------------------------------
 
 def math_reward(completion, answer):
-    """1.0 when the last boxed answer of `completion` equals `answer` per math-verify, else 0.0 (also when
-    the comparison runs out of its TIMEOUT_S CPU seconds)."""
+    """1.0 when the last boxed answer of `completion` equals `answer` per math-verify, else 0.0
+    (also when the comparison runs out of its TIMEOUT_S CPU seconds)."""
     prediction = extract_boxed(completion)
-    if prediction is None or len(prediction) > MAX_ANSWER_CHARS or answer is None or not str(answer).strip():
+    if prediction is None or len(prediction) > MAX_ANSWER_CHARS or answer is None \
+            or not str(answer).strip():
         return 0.0
-    proc = _helper()  # raises only when math-verify cannot start at all: a broken install, not an answer
+    # raises only when math-verify cannot start at all: a broken install, not an answer
+    proc = _helper()
     try:
         proc.stdin.write(json.dumps([str(answer), prediction]) + "\n")
         proc.stdin.flush()
         return 1.0 if _readline(proc, WALL_TIMEOUT_S) == "1" else 0.0
-    except Exception:  # a dead helper, a broken pipe: no reward, and the next call starts a fresh helper
+    except Exception:
+        # a dead helper, a broken pipe: no reward, and the next call starts a fresh helper
         return 0.0
 
 
-# ---- multiple choice -------------------------------------------------------------------------------
+# ---- multiple choice -----------------------------------------------------------------------------
 
 def choice_reward(completion, answer):
-    """1.0 when the last box holds the letter `answer` ("B", or index 1): B, (B), \\text{B}, "B) text"."""
+    """1.0 when the last box holds the letter `answer` ("B", or index 1): B, (B), \\text{B},
+    "B) text"."""
     try:
-        letter = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"[answer] if isinstance(answer, int) else str(answer).strip()
+        letter = ("ABCDEFGHIJKLMNOPQRSTUVWXYZ"[answer] if isinstance(answer, int)
+                  else str(answer).strip())
         boxed = extract_boxed(completion)
         if boxed is None:
             return 0.0
-        boxed = re.sub(r"\\(?:text|textbf|mathrm|mathbf)\s*\{([^{}]*)\}", r"\1", boxed[:MAX_ANSWER_CHARS])
+        boxed = re.sub(r"\\(?:text|textbf|mathrm|mathbf)\s*\{([^{}]*)\}", r"\1",
+                       boxed[:MAX_ANSWER_CHARS])
         match = re.match(r"\s*\(?([A-Z])\)?(?=$|[\s.:)])", boxed)
         return 1.0 if match is not None and match.group(1) == letter else 0.0
     except Exception:
         return 0.0
 
 
-# ---- countdown ---------------------------------------------------------------------------------------
+# ---- countdown -----------------------------------------------------------------------------------
 
-_ALLOWED = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.USub)
+_ALLOWED = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Add, ast.Sub, ast.Mult,
+            ast.Div, ast.USub)
 
 
 def _value(node):
@@ -109,8 +121,8 @@ def _value(node):
 
 
 def countdown_reward(completion, numbers, target):
-    """1.0 when the expression in the last <answer>...</answer> (else the last box) uses each of `numbers`
-    exactly once, only integers and + - * / ( ), and equals `target`; else 0.0."""
+    """1.0 when the expression in the last <answer>...</answer> (else the last box) uses each of
+    `numbers` exactly once, only integers and + - * / ( ), and equals `target`; else 0.0."""
     try:
         if not isinstance(completion, str):
             return 0.0
@@ -120,8 +132,10 @@ def countdown_reward(completion, numbers, target):
         if expression is None:
             return 0.0
         expression = expression.replace("\\times", "*").replace("\\cdot", "*").replace("\\div", "/")
-        expression = expression.split("=")[0]  # "25 + 3 * 5 = 40" states its value; keep the left side
-        if len(expression) > MAX_EXPRESSION_CHARS or not re.fullmatch(r"[\d\s+\-*/()]+", expression):
+        # "25 + 3 * 5 = 40" states its value; keep the left side
+        expression = expression.split("=")[0]
+        if len(expression) > MAX_EXPRESSION_CHARS \
+                or not re.fullmatch(r"[\d\s+\-*/()]+", expression):
             return 0.0  # also rules out names, calls, attributes, strings before ast sees them
         tree = ast.parse(expression.strip(), mode="eval")
         nodes = list(ast.walk(tree))
@@ -144,20 +158,23 @@ WARM_UP = [("1", "1"), (r"\frac{1}{2}", "0.5"), ("x = 3", "3"), ("(x+1)^2", "x^2
 
 
 def _equivalent(answer, prediction):
-    """math-verify's judgement: both sides wrapped in \\boxed{} and parsed as LaTeX (runs in the helper)."""
+    """math-verify's judgement: both sides wrapped in \\boxed{} and parsed as LaTeX
+    (runs in the helper)."""
     from math_verify import LatexExtractionConfig, parse, verify
 
     config = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
-    # math-verify's own SIGALRM timeouts off: the helper's CPU timer (see _serve) bounds the call instead.
+    # math-verify's own SIGALRM timeouts off: the helper's CPU timer (see _serve) bounds the call
+    # instead.
     gold = parse("\\boxed{" + answer + "}", extraction_config=config, parsing_timeout=None)
     pred = parse("\\boxed{" + prediction + "}", extraction_config=config, parsing_timeout=None)
     return bool(gold) and bool(pred) and verify(gold, pred, timeout_seconds=None)
 
 
 def _serve():
-    """Helper-process loop: read [answer, prediction] JSON lines on stdin, answer "1" or "0" per line.
-    Each query gets TIMEOUT_S seconds of CPU time (a SIGPROF timer, so a busy machine does not cut
-    short a slow but honest comparison); math-verify turns the TimeoutException into "not equal"."""
+    """Helper-process loop: read [answer, prediction] JSON lines on stdin, answer "1" or "0" per
+    line. Each query gets TIMEOUT_S seconds of CPU time (a SIGPROF timer, so a busy machine does not
+    cut short a slow but honest comparison); math-verify turns the TimeoutException into
+    "not equal"."""
     import logging
     import signal
 
@@ -166,7 +183,8 @@ def _serve():
     def out_of_time(signum, frame):
         raise TimeoutException("reward.py: out of CPU time")
 
-    logging.disable(logging.CRITICAL)  # math-verify logs every timeout and warns that its own are off
+    # math-verify logs every timeout and warns that its own are off
+    logging.disable(logging.CRITICAL)
     signal.signal(signal.SIGPROF, out_of_time)
     for answer, prediction in WARM_UP:  # import and exercise sympy before saying we are ready
         _equivalent(answer, prediction)
@@ -187,7 +205,8 @@ _helpers = []  # every helper we started, killed at exit
 
 
 def _start_helper():
-    """Start this thread's helper process; it says "ready" once sympy is imported (a second or two)."""
+    """Start this thread's helper process; it says "ready" once sympy is imported
+    (a second or two)."""
     proc = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--serve"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -198,17 +217,20 @@ def _start_helper():
 
 def _helper():
     """This thread's helper process, ready to answer (a forked child starts its own)."""
-    if getattr(_local, "proc", None) is None or _local.proc.poll() is not None or _local.pid != os.getpid():
+    if getattr(_local, "proc", None) is None or _local.proc.poll() is not None \
+            or _local.pid != os.getpid():
         _start_helper()
     if not _local.ready:
         if _readline(_local.proc, timeout=120) != "ready":
-            raise RuntimeError("reward.py: the math-verify helper did not start; run `python reward.py --serve`")
+            raise RuntimeError("reward.py: the math-verify helper did not start; "
+                               "run `python reward.py --serve`")
         _local.ready = True
     return _local.proc
 
 
 def _readline(proc, timeout):
-    """One line from the helper, or None after `timeout` seconds (the hung helper is then replaced)."""
+    """One line from the helper, or None after `timeout` seconds (the hung helper is then
+    replaced)."""
     if select.select([proc.stdout], [], [], timeout)[0]:
         return proc.stdout.readline().strip()
     proc.kill()

@@ -383,15 +383,17 @@ def behaviour(m, mu):
     return (m["y"] * F.logsigmoid(z) + (1 - m["y"]) * F.logsigmoid(-z)).detach()
 
 
-def off_policy_grad(m, mu_logp, kind, place, beta):
+def off_policy_grad(m, mu_logp, kind, place, beta, shape_logp=None):
     """grad E_mu[loss] / beta of a configuration of Table 1 as train.py applies it to samples of mu:
     returns shaped with the behaviour log-probs (old_logp), the token ratio pi/mu of policy_loss (no
-    clipping), the KL loss at pi. Each y is weighted by mu(y) through the mask."""
+    clipping), the KL loss at pi. Each y is weighted by mu(y) through the mask. shape_logp: the
+    log-probs the return is shaped with instead (--async-lag shapes with the current pi's)."""
     logp, ref_logp = m["logp"], m["ref_logp"]
     weight = mu_logp.sum(-1, keepdim=True).exp() * torch.ones_like(logp)  # mu(y)
     ones = torch.ones_like(logp)
     scores = torch.zeros(len(logp), dtype=f64)
-    returns = shape_rewards(scores, mu_logp, ref_logp, ones, kind, place, beta)
+    shape_logp = mu_logp if shape_logp is None else shape_logp
+    returns = shape_rewards(scores, shape_logp, ref_logp, ones, kind, place, beta)
     pg_loss, _ = policy_loss(logp, mu_logp, returns, weight, num_tokens=1, clip_eps=1e9)
     loss = pg_loss + kl_loss(logp, ref_logp, weight, kind, place, beta, num_tokens=1)
     return torch.stack(torch.autograd.grad(loss, (m["a"], m["b"]), retain_graph=True)) / beta
@@ -448,6 +450,10 @@ def test_off_policy_table1(T, theta, mu, ref, beta):
     for kind, place in [("k1", "reward"), ("k1", "loss"), ("k3", "reward"), ("k3", "loss"),
                         ("k1", "both"), ("k3", "both"), ("k2", "loss")]:
         assert (grad(kind, place) - true).abs().max() > 1e-3, (kind, place)
+    # --async-lag shapes the return with the current pi's log-probs: biased from T = 2 on (at T = 1
+    # the token ratio is the sequence's importance weight, and this is "weighted" below)
+    async_k1 = off_policy_grad(m, mu_logp, "k1", "reward", beta, shape_logp=m["logp"].detach())
+    assert (async_k1 - true).abs().max() > 1e-3 if T > 1 else close(async_k1, true)
     assert close(sequence_weighted_grad(m, mu_logp, beta, "k1"), true)  # unbiased off-policy
     # Liu et al.'s importance-sampling correction, on the whole sequence's K2
     assert close(sequence_weighted_grad(m, mu_logp, beta, "k2"), true)

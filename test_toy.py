@@ -74,3 +74,25 @@ def test_converge_reproduces_table1_behaviour(fast_run):
     assert not c["k3_loss"]["diverged"] and c["k3_loss"]["kl_to_optimum"] > 0.05
     assert c["k3_reward"]["diverged"]
     assert not c["k2_loss"]["diverged"]
+
+
+def test_off_policy_weighted_gradient_is_unbiased_and_what_it_costs(fast_run):
+    """--place weighted in the toy: unbiased at every drift of mu from A; at drift 0 its one-sample
+    variance is that of K1-in-reward's score-function gradient without a baseline, computed here by
+    hand (sum_t (y_t - p_t)(1, c_{t-1}) times K1); far from A the importance weights blow it up."""
+    T = 8
+    rows = toy.off_policy_variance(T, (0.0, 1.0, 2.0))
+    assert all(row["bias"] < 1e-9 for row in rows)
+    y = torch.tensor(list(itertools.product([0.0, 1.0], repeat=T)), dtype=torch.float64)
+    c = y.cumsum(-1) - y
+    p = torch.sigmoid(toy.THETA[0] + toy.THETA[1] * c)
+    logp = toy.bernoulli_logp(toy.toy_logits(*toy.THETA, y), y).sum(-1)
+    ref_logp = toy.bernoulli_logp(toy.toy_logits(*toy.REF, y), y).sum(-1)
+    score = torch.stack([(y - p).sum(-1), ((y - p) * c).sum(-1)], -1)
+    g, pi = (logp - ref_logp)[:, None] * score, logp.exp()
+    mean = (pi[:, None] * g).sum(0)
+    assert abs(rows[0]["variance"] - (pi[:, None] * (g - mean) ** 2).sum().item()) < 1e-9
+    assert rows[0]["second_moment_w"] == pytest.approx(1.0, abs=1e-12)
+    assert rows[2]["variance"] > 100 * rows[0]["variance"] and rows[2]["second_moment_w"] > 100
+    saved = json.loads((fast_run / "offpolicy.json").read_text())
+    assert [row["drift"] for row in saved] == [0.0, 0.25, 0.5, 1.0, 2.0]

@@ -1,13 +1,14 @@
 """The paper's toy model (sec. 3.3, appendix C), run through the real kl.py and advantage.py.
 
-Binary sequences y_1..y_T from p_t = sigmoid(a + b c_{t-1}), c_{t-1} = y_1 + ... + y_{t-1} (eqs. 17-18).
+Binary sequences y_1..y_T from p_t = sigmoid(a + b c_{t-1}), c_{t-1} = y_1 + ... + y_{t-1}
+(eqs. 17-18).
 
 1. Figure 1: the squared bias and the variance of the Monte-Carlo gradient of the KL term (R = 0,
    beta = 1, no baseline), for each configuration (estimator x place), against the exact gradient of
    KL(A || B), over the length T: `trials` trials of N = `samples` sequences drawn from A.
 2. Convergence: a tabular policy (one logit per prefix, so the optimum pi* ~ pi_ref exp(R / beta) is
-   reachable) climbs E[R] - beta KL(pi || pi_ref) with each configuration's *exact expected* gradient,
-   summing over all 2^T sequences. Where it lands is Table 1's "Behavior" column.
+   reachable) climbs E[R] - beta KL(pi || pi_ref) with each configuration's *exact expected*
+   gradient, summing over all 2^T sequences. Where it lands is Table 1's "Behavior" column.
 
     python toy.py --out DIR      # figure1.{json,png}, converge.{json,png} and two tables; ~1.5 min on 2 cores
 """
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from advantage import policy_loss
-from kl import kl_loss, shape_rewards
+from kl import kl_loss, off_policy_kl_loss, shape_rewards
 
 parser = argparse.ArgumentParser(description="The paper's toy model: Fig. 1 and where each KL configuration converges.")
 parser.add_argument("--out", required=True, help="directory for figure1.json/.png and converge.json/.png")
@@ -71,7 +72,8 @@ def exact_kl(a, b, T):
 def training_loss(logp, ref_logp, scores, kind, place, beta, weight, num_tokens):
     """What train.py minimizes, on-policy: PPO-clip on KL-shaped returns (eq. 7) + the KL loss (eq. 9).
 
-    `weight` (B, 1) scales each sequence through the mask: 1 for samples, pi(y) for an exact expectation.
+    `weight` (B, 1) scales each sequence through the mask: 1 for samples, pi(y) for an exact
+    expectation.
     """
     mask = torch.ones_like(logp)
     returns = shape_rewards(scores, logp, ref_logp, mask, kind, place, beta)
@@ -152,6 +154,36 @@ def converge(T, steps, beta=BETA, lr=LR):
     return result, history
 
 
+def off_policy_variance(T, drifts):
+    """The price of the unbiased off-policy KL gradient (kl.off_policy_kl_loss, --place weighted):
+    samples of mu = A with its `a` moved by `drift`, for the gradient of KL(A || B) in (a, b).
+    Exact, over all 2^T sequences, through the real off_policy_kl_loss (beta = 1, one sequence): its
+    mean (grad KL at every drift: unbiased), the variance of one sample's gradient
+    (trace over (a, b)), and E_mu[w^2] = 1 + chi^2(A || mu), how many samples of mu one sample of A
+    is worth."""
+    y, _ = all_sequences(T)
+    a, b = (torch.tensor(v, dtype=f64, requires_grad=True) for v in THETA)
+    logp = bernoulli_logp(toy_logits(a, b, y), y)
+    ref_logp = bernoulli_logp(toy_logits(torch.tensor(REF[0], dtype=f64), REF[1], y), y)
+    true = torch.stack(torch.autograd.grad(exact_kl(a, b, T), (a, b)))
+    rows = []
+    for drift in drifts:
+        mu_logp = bernoulli_logp(toy_logits(THETA[0] + drift, THETA[1], y), y)
+        # one sample's gradient: the loss of each sequence alone, mask 1 (num_tokens = 1)
+        grads = []
+        for i in range(len(y)):
+            loss = off_policy_kl_loss(logp[i:i + 1], mu_logp[i:i + 1], ref_logp[i:i + 1],
+                                      torch.ones(1, T, dtype=f64), 1.0, 1)
+            grads.append(torch.stack(torch.autograd.grad(loss, (a, b), retain_graph=True)))
+        g, mu = torch.stack(grads), mu_logp.sum(-1).exp()
+        mean = (mu[:, None] * g).sum(0)
+        variance = (mu[:, None] * (g - mean) ** 2).sum().item()
+        w = (logp.detach() - mu_logp).sum(-1).exp()
+        rows.append({"drift": drift, "bias": (mean - true).abs().max().item(), "variance": variance,
+                     "second_moment_w": (mu * w**2).sum().item()})
+    return rows
+
+
 def plot(fig1, conv, history, out):
     import matplotlib
     matplotlib.use("Agg")
@@ -204,10 +236,19 @@ def main(argv=None):
         numbers = (row[k] for k in ("expected_reward", "kl_to_ref", "kl_to_optimum", "objective"))
         print(f"{name:>10}" + "".join(f"{v:>10.4f}" for v in numbers) + f"  {row['diverged']}")
 
+    drifts = (0.0, 0.25, 0.5, 1.0, 2.0)
+    offpolicy = off_policy_variance(4 if args.fast else 8, drifts)
+    print(f"\nOff-policy, --place weighted: samples of mu = A with a + drift, exact over 2^T sequences")
+    print(f"{'drift':>10}{'max |bias|':>12}{'variance':>12}{'E_mu[w^2]':>12}")
+    for row in offpolicy:
+        print(f"{row['drift']:>10}{row['bias']:>12.1e}{row['variance']:>12.4f}"
+              f"{row['second_moment_w']:>12.3f}")
+
+    (out / "offpolicy.json").write_text(json.dumps(offpolicy, indent=1))
     (out / "figure1.json").write_text(json.dumps(fig1, indent=1))
     (out / "converge.json").write_text(json.dumps(conv, indent=1))
     plot(fig1, conv, history, out)
-    return fig1, conv
+    return fig1, conv, offpolicy
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Speed and memory of rollout.generate on SmolLM2-135M (CPU), against model.generate in the same process.
+"""Speed and memory of rollout.generate on SmolLM2-135M (CPU), against model.generate in-process.
 
 Prints: useful tokens/s (response tokens up to and including EOS) for ours and for Hugging Face's
 generate, alternating A/B, same dtype, bf16 and fp32; the fraction of this CPU's bf16 matmul peak
@@ -13,17 +13,22 @@ import time
 from pathlib import Path
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--task", default=str(Path(__file__).parent.parent / "shared" / "data" / "math500.jsonl"),
-                    help="where the prompts come from: a data.py task or .jsonl (math500 when online)")
+parser.add_argument("--task",
+                    default=str(Path(__file__).parent.parent / "shared" / "data" / "math500.jsonl"),
+                    help="where the prompts come from: a data.py task or .jsonl "
+                         "(math500 when online)")
 parser.add_argument("--prompts", type=int, default=8, help="distinct problems per batch")
 parser.add_argument("--samples", type=int, default=5, help="samples per prompt (G)")
-parser.add_argument("--max-new-tokens", type=int, default=512, help="response budget in the A/B runs")
+parser.add_argument("--max-new-tokens", type=int, default=512,
+                    help="response budget in the A/B runs")
 parser.add_argument("--rounds", type=int, default=2, help="A/B rounds per dtype (order alternates)")
-parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"], help="dtypes")
+parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"],
+                    help="dtypes")
 parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
 parser.add_argument("--short", type=int, default=64, help="new tokens of the short no-EOS run")
 parser.add_argument("--long", type=int, default=1024, help="new tokens of the long no-EOS run")
-parser.add_argument("--skip", nargs="*", default=[], choices=["ab", "length", "memory"], help="parts to skip")
+parser.add_argument("--skip", nargs="*", default=[], choices=["ab", "length", "memory"],
+                    help="parts to skip")
 parser.add_argument("--memory-probe", nargs=2, metavar=("DTYPE", "TOKENS"), help=argparse.SUPPRESS)
 args = parser.parse_args()
 
@@ -39,7 +44,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def math500_prompts(tokenizer, num):
-    """The first `num` problems of --task, as the trainer prompts them (data.prompt_ids: the chat template)."""
+    """The first `num` problems of --task, as the trainer prompts them
+    (data.prompt_ids: the chat template)."""
     try:
         examples = data.load_task(args.task, split="test")[:num]
     except (OSError, ValueError) as error:
@@ -59,15 +65,16 @@ def median_seconds(fn, reps):
 
 
 def matmul_peak(dtype, size=4096, reps=7):
-    """Median FLOP/s of one large square matmul: this CPU's sustained roofline for `dtype` (a median, not
-    the best: on a shared virtual machine single runs of the same matmul vary by 2x)."""
+    """Median FLOP/s of one large square matmul: this CPU's sustained roofline for `dtype` (a
+    median, not the best: on a shared virtual machine single runs of the same matmul vary by 2x)."""
     a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     return 2 * size**3 / median_seconds(lambda: a @ b, reps)
 
 
 def linear_ceiling(model, rows, reps=7):
-    """FLOP/s of the model's own Linear modules (lm_head included) called once each on `rows` rows, and
-    nothing else: what a decode step could reach if attention, norms, sampling and Python were free."""
+    """FLOP/s of the model's own Linear modules (lm_head included) called once each on `rows` rows,
+    and nothing else: what a decode step could reach if attention, norms, sampling and Python were
+    free."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     inputs = {m: torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in linears}
 
@@ -80,7 +87,8 @@ def linear_ceiling(model, rows, reps=7):
 
 
 def read_bandwidth(megabytes=512, reps=7):
-    """Bytes/s of summing a large fp32 tensor: how fast this CPU streams memory (weights, KV cache)."""
+    """Bytes/s of summing a large fp32 tensor: how fast this CPU streams memory
+    (weights, KV cache)."""
     x = torch.ones(megabytes * 2**18)
     return x.numel() * 4 / median_seconds(x.sum, reps)
 
@@ -88,7 +96,8 @@ def read_bandwidth(megabytes=512, reps=7):
 def decode_flops(model, mean_span):
     """FLOPs to decode one token: 2 per weight of every matmul (lm_head included) + attention."""
     config = model.config
-    matmul_weights = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n)
+    matmul_weights = sum(p.numel() for n, p in model.named_parameters()
+                         if p.dim() == 2 and "embed" not in n)
     if model.config.tie_word_embeddings:
         matmul_weights += model.lm_head.weight.numel()
     head_dim = model.model.layers[0].self_attn.head_dim
@@ -119,8 +128,9 @@ def run_hf(model, batch, eos, pad, max_new_tokens, seed):
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
     torch.manual_seed(seed)
     start = time.perf_counter()
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True, temperature=1.0,
-                         top_p=1.0, top_k=0, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
+                         temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
+                         eos_token_id=eos, pad_token_id=pad)
     elapsed = time.perf_counter() - start
     return elapsed, useful_lengths(out[:, width:], eos, max_new_tokens)
 
@@ -131,10 +141,12 @@ def memory_probe(dtype_name, max_new_tokens):
     tokenizer = load_tokenizer("smollm2-135m")
     batch = [p for p in math500_prompts(tokenizer, args.prompts) for _ in range(args.samples)]
     generate(model, [[1, 2, 3]], 2)  # load kernels once
-    status = lambda key: next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key))  # noqa
+    status = lambda key: next(int(l.split()[1]) for l in open("/proc/self/status")  # noqa
+                              if l.startswith(key))  # noqa
     open("/proc/self/clear_refs", "w").write("5")  # reset the peak-RSS counter (VmHWM) to now
     before = status("VmRSS:")
-    generate(model, batch, max_new_tokens, eos_token_id=None, generator=torch.Generator().manual_seed(0))
+    generate(model, batch, max_new_tokens, eos_token_id=None,
+             generator=torch.Generator().manual_seed(0))
     peak = status("VmHWM:")
     config, element = model.config, DTYPES[dtype_name].itemsize
     cache = (2 * config.num_hidden_layers * len(batch) * (max(map(len, batch)) + max_new_tokens)
@@ -152,20 +164,23 @@ tokenizer = load_tokenizer("smollm2-135m")
 eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
 prompts = math500_prompts(tokenizer, args.prompts)
 batch = [p for p in prompts for _ in range(args.samples)]  # each prompt G times, consecutively
-print(f"SmolLM2-135M-Instruct, {args.prompts} MATH500 prompts x {args.samples} samples = batch {len(batch)}, "
-      f"prompt lengths {min(map(len, prompts))}-{max(map(len, prompts))}, threads {torch.get_num_threads()}")
+print(f"SmolLM2-135M-Instruct, {args.prompts} MATH500 prompts x {args.samples} samples "
+      f"= batch {len(batch)}, prompt lengths {min(map(len, prompts))}-{max(map(len, prompts))}, "
+      f"threads {torch.get_num_threads()}")
 with open("/proc/loadavg") as f:
     print(f"load average at start: {f.read().split()[:3]}")
 peak = {name: matmul_peak(dtype) for name, dtype in DTYPES.items()}
-print(f"matmul peak (4096^3, median of 7): bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s, fp32 {peak['fp32'] / 1e9:.0f} GFLOP/s; "
+print(f"matmul peak (4096^3, median of 7): bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s, "
+      f"fp32 {peak['fp32'] / 1e9:.0f} GFLOP/s; "
       f"memory read bandwidth {read_bandwidth() / 1e9:.1f} GB/s")
 
 if "ab" not in args.skip:
     print(f"\nA/B, temperature 1, EOS on, max_new_tokens {args.max_new_tokens}")
     for name in args.dtypes:
         model = load_model("smollm2-135m", dtype=DTYPES[name])
-        # warm up both paths with one untimed full run each: ours meets a new row count every time a row
-        # finishes, and the first run pays the one-time kernel setup for each (amortized over an RL run)
+        # warm up both paths with one untimed full run each: ours meets a new row count every time a
+        # row finishes, and the first run pays the one-time kernel setup for each
+        # (amortized over an RL run)
         run_ours(model, batch, eos, args.max_new_tokens, seed=1000)
         run_hf(model, batch, eos, pad, args.max_new_tokens, seed=1000)
         totals = {"ours": [0.0, 0], "hf": [0.0, 0]}
@@ -175,20 +190,24 @@ if "ab" not in args.skip:
                 if who == "ours":
                     elapsed, lengths = run_ours(model, batch, eos, args.max_new_tokens, seed=round_)
                 else:
-                    elapsed, lengths = run_hf(model, batch, eos, pad, args.max_new_tokens, seed=round_)
+                    elapsed, lengths = run_hf(model, batch, eos, pad, args.max_new_tokens,
+                                              seed=round_)
                 totals[who][0] += elapsed
                 totals[who][1] += sum(lengths)
                 finished = sum(n < args.max_new_tokens for n in lengths)
-                print(f"  {name} round {round_} {who:4s}: {sum(lengths):6d} useful tokens in {elapsed:6.1f} s "
-                      f"= {sum(lengths) / elapsed:6.1f} tok/s ({finished}/{len(batch)} rows hit EOS, "
+                print(f"  {name} round {round_} {who:4s}: {sum(lengths):6d} useful tokens in "
+                      f"{elapsed:6.1f} s = {sum(lengths) / elapsed:6.1f} tok/s "
+                      f"({finished}/{len(batch)} rows hit EOS, "
                       f"mean length {sum(lengths) / len(lengths):.0f})")
         ours, hf = (totals[k][1] / totals[k][0] for k in ("ours", "hf"))
-        print(f"{name}: ours {ours:.1f} tok/s, model.generate {hf:.1f} tok/s, speedup {ours / hf:.2f}x")
+        print(f"{name}: ours {ours:.1f} tok/s, model.generate {hf:.1f} tok/s, "
+              f"speedup {ours / hf:.2f}x")
 
 if "length" not in args.skip:
     print(f"\nbf16, batch {len(batch)}, EOS off (every row decodes to the end)")
     model = load_model("smollm2-135m", dtype=torch.bfloat16)
-    run_ours(model, batch, None, 8, seed=1000)  # warm up at the full batch size (the runs below keep all rows)
+    # warm up at the full batch size (the runs below keep all rows)
+    run_ours(model, batch, None, 8, seed=1000)
     rates = {}
     for max_new_tokens in (args.short, args.long):
         elapsed, lengths = run_ours(model, batch, None, max_new_tokens, seed=0)
@@ -196,22 +215,25 @@ if "length" not in args.skip:
         mean_span = sum(map(len, batch)) / len(batch) + max_new_tokens / 2
         achieved = rates[max_new_tokens] * decode_flops(model, mean_span)
         print(f"  {max_new_tokens:5d} new tokens: {rates[max_new_tokens]:6.1f} tok/s, "
-              f"{achieved / 1e9:5.1f} GFLOP/s = {achieved / peak['bf16']:.1%} of the bf16 matmul peak")
+              f"{achieved / 1e9:5.1f} GFLOP/s = {achieved / peak['bf16']:.1%} "
+              "of the bf16 matmul peak")
     print(f"tokens/s at {args.long} / at {args.short}: {rates[args.long] / rates[args.short]:.2f}")
     ceiling = linear_ceiling(model, len(batch))
-    print(f"ceiling: the model's Linear modules alone at batch {len(batch)} reach {ceiling / 1e9:.1f} GFLOP/s "
-          f"= {ceiling / peak['bf16']:.1%} of the bf16 matmul peak")
+    print(f"ceiling: the model's Linear modules alone at batch {len(batch)} reach "
+          f"{ceiling / 1e9:.1f} GFLOP/s = {ceiling / peak['bf16']:.1%} of the bf16 matmul peak")
 
 if "memory" not in args.skip:
     print(f"\npeak memory while generating, batch {len(batch)}, EOS off (fresh process each, MiB)")
     for name in args.dtypes:
         for max_new_tokens in (args.short, args.long):
             probe = [sys.executable, __file__, "--memory-probe", name, str(max_new_tokens),
-                     "--prompts", str(args.prompts), "--samples", str(args.samples), "--threads", str(args.threads)]
-            result = json.loads(subprocess.run(probe, capture_output=True, text=True, check=True).stdout
-                                .strip().splitlines()[-1])
-            print(f"  {name} {max_new_tokens:5d} new tokens: weights {result['weights']:.0f}, RSS before "
-                  f"{result['before']:.0f}; generate adds {result['extra']:.0f} of which KV cache "
-                  f"{result['cache']:.0f} (other: {result['extra'] - result['cache']:.0f})")
+                     "--prompts", str(args.prompts), "--samples", str(args.samples),
+                     "--threads", str(args.threads)]
+            result = json.loads(subprocess.run(probe, capture_output=True, text=True,
+                                               check=True).stdout.strip().splitlines()[-1])
+            print(f"  {name} {max_new_tokens:5d} new tokens: weights {result['weights']:.0f}, "
+                  f"RSS before {result['before']:.0f}; generate adds {result['extra']:.0f} "
+                  f"of which KV cache {result['cache']:.0f} "
+                  f"(other: {result['extra'] - result['cache']:.0f})")
 with open("/proc/loadavg") as f:
     print(f"\nload average at end: {f.read().split()[:3]}")

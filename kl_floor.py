@@ -1,14 +1,15 @@
 """The KL noise floor of bf16 log-probs (docs/precision.md): how much KL rounding alone makes.
 
-The policy is the reference moved by one tiny step (every weight by +-EPS: a random sign, or the sign of the
-gradient of the responses' log-likelihood, which is what a first AdamW step does). Responses are sampled from
-the reference (no EOS, exactly --max-new-tokens tokens). Each precision then computes the log-prob of every
-sampled token under both models through the trainer's own `train.token_logprobs`, and we print the per-token
-log-ratio std and the sequence K1 and K3 (eqs. 11, 14; mean over responses) beside float64, the truth. Also
-the share of weights that sit exactly on a bf16 number and exactly halfway between two (ties: any update,
-however small, decides which way such a weight rounds).
+The policy is the reference moved by one tiny step (every weight by +-EPS: a random sign, or the
+sign of the gradient of the responses' log-likelihood, which is what a first AdamW step does).
+Responses are sampled from the reference (no EOS, exactly --max-new-tokens tokens). Each precision
+then computes the log-prob of every sampled token under both models through the trainer's own
+`train.token_logprobs`, and we print the per-token log-ratio std and the sequence K1 and K3
+(eqs. 11, 14; mean over responses) beside float64, the truth. Also the share of weights that sit
+exactly on a bf16 number and exactly halfway between two (ties: any update, however small, decides
+which way such a weight rounds).
 
-    python kl_floor.py                                  # the embedded SmolLM2-135M-Instruct, a few seconds
+    python kl_floor.py  # the embedded SmolLM2-135M-Instruct, a few seconds
     python kl_floor.py --perturb sign-grad --eps 1e-7
 """
 import argparse
@@ -24,17 +25,21 @@ from model import load_model, load_tokenizer
 from train import token_logprobs
 
 parser = argparse.ArgumentParser(description="the KL noise floor of bf16 log-probs")
-parser.add_argument("--model", default="smollm2-135m", help="a local directory, a hub id, or smollm2-135m")
+parser.add_argument("--model", default="smollm2-135m",
+                    help="a local directory, a hub id, or smollm2-135m")
 parser.add_argument("--perturb", default="random", choices=("random", "sign-grad"),
-                    help="random: +-EPS with a random sign; sign-grad: EPS in the sign of the gradient (AdamW)")
+                    help="random: +-EPS with a random sign; "
+                         "sign-grad: EPS in the sign of the gradient (AdamW)")
 parser.add_argument("--eps", type=float, default=1e-6, help="how far every weight moves")
 parser.add_argument("--responses", type=int, default=2, help="responses sampled from the reference")
 parser.add_argument("--max-new-tokens", type=int, default=120, help="tokens per response (no EOS)")
-parser.add_argument("--seed", type=int, default=0, help="seeds the prompts' sampling and the random signs")
+parser.add_argument("--seed", type=int, default=0,
+                    help="seeds the prompts' sampling and the random signs")
 
 
 def bf16_grid(model):
-    """(share of weights exactly representable in bf16, share exactly halfway between two bf16 numbers)."""
+    """(share of weights exactly representable in bf16, share exactly halfway between two bf16
+    numbers)."""
     total = exact = ties = 0
     for param in model.parameters():
         low_bits = param.detach().float().view(torch.int32) & 0xFFFF  # the 16 bits bf16 drops
@@ -61,12 +66,14 @@ def fp32_head(model):
 
 
 def floor_row(policy, reference, prompts, responses, mask, dtype):
-    """(per-token log-ratio std, mean sequence K1, mean sequence K3) with log-probs computed in `dtype`."""
+    """(per-token log-ratio std, mean sequence K1, mean sequence K3) with log-probs computed in
+    `dtype`."""
     with torch.no_grad():
         logp = token_logprobs(policy, prompts, responses, mask, 1.0, dtype)[0].double()
         ref_logp = token_logprobs(reference, prompts, responses, mask, 1.0, dtype)[0].double()
     log_ratio = (logp - ref_logp)[mask.bool()]
-    k1 = (mask * kl.estimate(logp, ref_logp, "k1")).sum(1).mean()  # eq. 11, summed over the response (eq. 5)
+    # eq. 11, summed over the response (eq. 5)
+    k1 = (mask * kl.estimate(logp, ref_logp, "k1")).sum(1).mean()
     k3 = (mask * kl.estimate(logp, ref_logp, "k3")).sum(1).mean()  # eq. 14
     return log_ratio.std().item(), k1.item(), k3.item()
 
@@ -88,7 +95,8 @@ def main(argv=None):
         token_logprobs(policy, prompts, responses, mask, 1.0, torch.float32)[0].sum().backward()
         directions = [param.grad.sign() for param in policy.parameters()]
     else:
-        directions = [torch.randint(0, 2, param.shape).float() * 2 - 1 for param in policy.parameters()]
+        directions = [torch.randint(0, 2, param.shape).float() * 2 - 1
+                      for param in policy.parameters()]
     with torch.no_grad():
         for param, direction in zip(policy.parameters(), directions):
             param.add_(args.eps * direction)
@@ -96,17 +104,20 @@ def main(argv=None):
     policy.requires_grad_(False)
 
     exact, ties = bf16_grid(reference)
-    moved = sum((p.bfloat16() != r.bfloat16()).sum().item() for p, r in
-                zip(policy.parameters(), reference.parameters())) / sum(p.numel() for p in policy.parameters())
-    print(f"{args.model}: {exact:.1%} of the weights are bf16 numbers, {ties:.1%} bf16 ties; the step "
-          f"({args.perturb}, eps {args.eps:g}) changed {moved:.1%} of them as bf16")
+    moved = (sum((p.bfloat16() != r.bfloat16()).sum().item()
+                 for p, r in zip(policy.parameters(), reference.parameters()))
+             / sum(p.numel() for p in policy.parameters()))
+    print(f"{args.model}: {exact:.1%} of the weights are bf16 numbers, {ties:.1%} bf16 ties; "
+          f"the step ({args.perturb}, eps {args.eps:g}) changed {moved:.1%} of them as bf16")
     print(f"{args.responses} responses x {responses.shape[1]} tokens sampled from the reference\n")
     print("| log-probs | per-token log-ratio std | sequence K1 | sequence K3 |\n|---|---|---|---|")
-    truth = floor_row(copy.deepcopy(policy).double(), copy.deepcopy(reference).double(), prompts, responses,
-                      mask, torch.float32)
+    truth = floor_row(copy.deepcopy(policy).double(), copy.deepcopy(reference).double(), prompts,
+                      responses, mask, torch.float32)
     rows = [("float64 (the truth)", truth),
-            ("fp32 (train.py's default)", floor_row(policy, reference, prompts, responses, mask, torch.float32)),
-            ("bf16 autocast", floor_row(policy, reference, prompts, responses, mask, torch.bfloat16))]
+            ("fp32 (train.py's default)",
+             floor_row(policy, reference, prompts, responses, mask, torch.float32)),
+            ("bf16 autocast",
+             floor_row(policy, reference, prompts, responses, mask, torch.bfloat16))]
     with fp32_head(policy), fp32_head(reference):
         rows.append(("bf16 autocast, fp32 lm_head",
                      floor_row(policy, reference, prompts, responses, mask, torch.bfloat16)))

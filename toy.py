@@ -10,7 +10,8 @@ Binary sequences y_1..y_T from p_t = sigmoid(a + b c_{t-1}), c_{t-1} = y_1 + ...
    reachable) climbs E[R] - beta KL(pi || pi_ref) with each configuration's *exact expected*
    gradient, summing over all 2^T sequences. Where it lands is Table 1's "Behavior" column.
 
-    python toy.py --out DIR      # figure1.{json,png}, converge.{json,png} and two tables; ~1.5 min on 2 cores
+    python toy.py --out DIR
+        # figure1.{json,png}, converge.{json,png} and two tables; ~1.5 min on 2 cores
 """
 
 import argparse
@@ -23,15 +24,20 @@ import torch.nn.functional as F
 from advantage import policy_loss
 from kl import kl_loss, off_policy_kl_loss, shape_rewards
 
-parser = argparse.ArgumentParser(description="The paper's toy model: Fig. 1 and where each KL configuration converges.")
-parser.add_argument("--out", required=True, help="directory for figure1.json/.png and converge.json/.png")
-parser.add_argument("--trials", type=int, default=200, help="Monte-Carlo trials per point of Fig. 1")
+parser = argparse.ArgumentParser(description="The paper's toy model: Fig. 1 and where each KL "
+                                             "configuration converges.")
+parser.add_argument("--out", required=True,
+                    help="directory for figure1.json/.png and converge.json/.png")
+parser.add_argument("--trials", type=int, default=200,
+                    help="Monte-Carlo trials per point of Fig. 1")
 parser.add_argument("--samples", type=int, default=1000, help="sequences per trial (N in sec. 3.3)")
 parser.add_argument("--seed", type=int, default=0, help="random seed of the Monte-Carlo samples")
-parser.add_argument("--fast", action="store_true", help="a short run for the tests: T <= 8, fewer steps")
+parser.add_argument("--fast", action="store_true",
+                    help="a short run for the tests: T <= 8, fewer steps")
 
 CONFIGS = {"k1_reward": ("k1", "reward"), "k1_loss": ("k1", "loss"), "k3_reward": ("k3", "reward"),
-           "k3_loss": ("k3", "loss"), "k1_both": ("k1", "both"), "k3_both": ("k3", "both"), "k2_loss": ("k2", "loss")}
+           "k3_loss": ("k3", "loss"), "k1_both": ("k1", "both"), "k3_both": ("k3", "both"),
+           "k2_loss": ("k2", "loss")}
 THETA, REF = (0.5, -0.2), (0.0, -0.3)  # (a, b) of the policy A, (a~, b~) of the reference B
 BETA, LR = 0.2, 8.0  # KL coefficient and step size of the convergence study
 f64 = torch.float64  # everything in double precision
@@ -56,21 +62,24 @@ def sample(a, b, shape, T, generator):
 
 
 def exact_kl(a, b, T):
-    """KL(A || B) exactly (eq. 20), by dynamic programming over c_{t-1}; differentiable in (a, b)."""
+    """KL(A || B) exactly (eq. 20), by dynamic programming over c_{t-1}; differentiable in
+    (a, b)."""
     c = torch.arange(T + 1, dtype=f64)
     prob_c, kl = (c == 0).double(), 0.0  # P(c_{t-1} = c), starting from c_0 = 0
     for _ in range(T):
         z, z_ref = a + b * c, REF[0] + REF[1] * c
         # chain rule: KL(A || B) = sum_t E_{c_{t-1} ~ A}[ KL(Bern(p_t^A) || Bern(p_t^B)) ]
         p = torch.sigmoid(z)
-        kl_t = p * (F.logsigmoid(z) - F.logsigmoid(z_ref)) + (1 - p) * (F.logsigmoid(-z) - F.logsigmoid(-z_ref))
+        kl_t = (p * (F.logsigmoid(z) - F.logsigmoid(z_ref))
+                + (1 - p) * (F.logsigmoid(-z) - F.logsigmoid(-z_ref)))
         kl = kl + (prob_c * kl_t).sum()
         prob_c = prob_c * (1 - p) + F.pad(prob_c * p, (1, 0))[:-1]
     return kl
 
 
 def training_loss(logp, ref_logp, scores, kind, place, beta, weight, num_tokens):
-    """What train.py minimizes, on-policy: PPO-clip on KL-shaped returns (eq. 7) + the KL loss (eq. 9).
+    """What train.py minimizes, on-policy: PPO-clip on KL-shaped returns (eq. 7) + the KL loss
+    (eq. 9).
 
     `weight` (B, 1) scales each sequence through the mask: 1 for samples, pi(y) for an exact
     expectation.
@@ -82,14 +91,16 @@ def training_loss(logp, ref_logp, scores, kind, place, beta, weight, num_tokens)
 
 
 def figure1(lengths, trials, samples, seed, chunk=50):
-    """Bias^2 and variance (summed over a, b) of the N-sample gradient of the KL term (beta = 1, R = 0)."""
+    """Bias^2 and variance (summed over a, b) of the N-sample gradient of the KL term
+    (beta = 1, R = 0)."""
     gen = torch.Generator().manual_seed(seed)
     result = {"T": list(lengths), "configs": {name: {"bias2": [], "var": []} for name in CONFIGS}}
     for T in lengths:
         a, b = (torch.tensor(v, dtype=f64, requires_grad=True) for v in THETA)
         exact = torch.stack(torch.autograd.grad(exact_kl(a, b, T), (a, b)))  # eq. 23
         grads = {name: [] for name in CONFIGS}
-        for start in range(0, trials, chunk):  # one (a, b) per trial, so autograd gives per-trial gradients
+        # one (a, b) per trial, so autograd gives per-trial gradients
+        for start in range(0, trials, chunk):
             n = min(chunk, trials - start)
             a, b = (torch.full((n, 1, 1), v, dtype=f64, requires_grad=True) for v in THETA)
             y = sample(*THETA, (n, samples), T, gen)
@@ -98,7 +109,8 @@ def figure1(lengths, trials, samples, seed, chunk=50):
             no_reward = torch.zeros(n * samples, dtype=f64)
             for name, (kind, place) in CONFIGS.items():
                 # the loss is the mean over the N sequences of each trial: num_tokens = N, beta = 1
-                loss = training_loss(logp, ref_logp, no_reward, kind, place, 1.0, 1.0, num_tokens=samples)
+                loss = training_loss(logp, ref_logp, no_reward, kind, place, 1.0, 1.0,
+                                     num_tokens=samples)
                 grad_a, grad_b = torch.autograd.grad(loss, (a, b), retain_graph=True)
                 grads[name].append(torch.cat([grad_a, grad_b], 1).reshape(n, 2))
         for name in CONFIGS:
@@ -109,7 +121,8 @@ def figure1(lengths, trials, samples, seed, chunk=50):
 
 
 def all_sequences(T):
-    """All 2^T binary sequences and, per token, the index of its prefix's logit (a binary tree, root 0)."""
+    """All 2^T binary sequences and, per token, the index of its prefix's logit
+    (a binary tree, root 0)."""
     y = ((torch.arange(2**T)[:, None] >> torch.arange(T - 1, -1, -1)) & 1).double()
     node = torch.zeros(2**T, T, dtype=torch.long)
     for t in range(1, T):
@@ -124,15 +137,18 @@ def converge(T, steps, beta=BETA, lr=LR):
     ref_logits[node] = toy_logits(*REF, y)  # pi_ref is the toy reference B, written as a table
     ref_logp = bernoulli_logp(ref_logits[node], y)
     reward = (y.sum(-1) == T - 1).double()  # a sparse 0/1 "verifier": exactly T - 1 ones
-    # pi* = pi_ref exp(R / beta) / Z, and E_pi[R] - beta KL(pi || pi_ref) = beta log Z - beta KL(pi || pi*)
+    # pi* = pi_ref exp(R / beta) / Z,
+    # and E_pi[R] - beta KL(pi || pi_ref) = beta log Z - beta KL(pi || pi*)
     log_z = torch.logsumexp(ref_logp.sum(-1) + reward / beta, 0)
     opt_logp = ref_logp.sum(-1) + reward / beta - log_z
 
     def metrics(seq_logp):
         pi = seq_logp.exp()
-        kl_ref, kl_opt = (pi * (seq_logp - ref_logp.sum(-1))).sum(), (pi * (seq_logp - opt_logp)).sum()
+        kl_ref, kl_opt = ((pi * (seq_logp - ref_logp.sum(-1))).sum(),
+                          (pi * (seq_logp - opt_logp)).sum())
         return {"expected_reward": (pi * reward).sum().item(), "kl_to_ref": kl_ref.item(),
-                "kl_to_optimum": kl_opt.item(), "objective": (pi * reward).sum().item() - beta * kl_ref.item()}
+                "kl_to_optimum": kl_opt.item(),
+                "objective": (pi * reward).sum().item() - beta * kl_ref.item()}
 
     result, history = {"optimum": {**metrics(opt_logp), "beta": beta, "T": T}, "configs": {}}, {}
     for name, (kind, place) in {**CONFIGS, "no_kl": ("k1", "none")}.items():
@@ -141,7 +157,8 @@ def converge(T, steps, beta=BETA, lr=LR):
             logp = bernoulli_logp(logits[node], y)
             if step < 100 or step % 10 == 0:
                 history[name].append({"step": step, **metrics(logp.sum(-1).detach())})
-            weight = logp.sum(-1, keepdim=True).exp().detach()  # pi(y): the weighted sum is E_pi exactly
+            # pi(y): the weighted sum is E_pi exactly
+            weight = logp.sum(-1, keepdim=True).exp().detach()
             loss = training_loss(logp, ref_logp, reward, kind, place, beta, weight, num_tokens=1)
             new_logits = logits - lr * torch.autograd.grad(loss, logits)[0]
             # diverged: a logit ran off (a token probability below e^-50) or became inf/nan
@@ -189,9 +206,11 @@ def plot(fig1, conv, history, out):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    style = lambda name: dict(ls="--" if "both" in name else "-", color=f"C{list(history).index(name)}")
+    style = lambda name: dict(ls="--" if "both" in name else "-",
+                              color=f"C{list(history).index(name)}")
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for ax, key, title in zip(axes, ("bias2", "var"), ("squared bias of the gradient", "variance of the gradient")):
+    for ax, key, title in zip(axes, ("bias2", "var"),
+                              ("squared bias of the gradient", "variance of the gradient")):
         for name, stats in fig1["configs"].items():
             ax.plot(fig1["T"], stats[key], marker="o", ms=3, label=name, **style(name))
         ax.set(xscale="log", yscale="log", xlabel="sequence length T", title=title)
@@ -204,13 +223,16 @@ def plot(fig1, conv, history, out):
     for name, rows in history.items():
         kl, reward = [h["kl_to_ref"] for h in rows], [h["expected_reward"] for h in rows]
         axes[0].plot(kl, reward, label=name, **style(name))
-        axes[0].plot(kl[-1], reward[-1], "x" if conv["configs"][name]["diverged"] else "o", color=style(name)["color"])
-        axes[1].plot([h["step"] for h in rows], [max(h["kl_to_optimum"], 1e-12) for h in rows], **style(name))
+        axes[0].plot(kl[-1], reward[-1], "x" if conv["configs"][name]["diverged"] else "o",
+                     color=style(name)["color"])
+        axes[1].plot([h["step"] for h in rows], [max(h["kl_to_optimum"], 1e-12) for h in rows],
+                     **style(name))
     opt = conv["optimum"]
     axes[0].plot(opt["kl_to_ref"], opt["expected_reward"], "k*", ms=12, label="optimum pi*")
     title = f"paths from pi_ref, beta = {opt['beta']} (x: diverged)"
     axes[0].set(xlabel="KL(pi || pi_ref)", ylabel="E[R]", title=title)
-    axes[1].set(xscale="symlog", yscale="log", xlabel="gradient step", ylabel="KL(pi || pi*)", title="distance to pi*")
+    axes[1].set(xscale="symlog", yscale="log", xlabel="gradient step", ylabel="KL(pi || pi*)",
+                title="distance to pi*")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "converge.png", dpi=90)
@@ -224,13 +246,16 @@ def main(argv=None):
     torch.set_num_threads(1)  # small tensors and a shared CPU: extra threads only add overhead
 
     fig1 = figure1(lengths, args.trials, args.samples, args.seed)
-    print(f"Fig. 1: bias^2 | variance of the gradient of KL(A || B), {args.trials} trials of N = {args.samples}")
+    print(f"Fig. 1: bias^2 | variance of the gradient of KL(A || B), {args.trials} trials "
+          f"of N = {args.samples}")
     print(f"{'T =':>10}" + "".join(f"{t:>18} " for t in fig1["T"]))
     for name, stats in fig1["configs"].items():
-        print(f"{name:>10}" + "".join(f"{b:>9.1e}|{v:<9.1e}" for b, v in zip(stats["bias2"], stats["var"])))
+        print(f"{name:>10}" + "".join(f"{b:>9.1e}|{v:<9.1e}"
+                                      for b, v in zip(stats["bias2"], stats["var"])))
 
     conv, history = converge(T, steps)
-    print(f"\nWhere each configuration lands: T = {T}, beta = {BETA}, {steps} steps of exact expected gradients")
+    print(f"\nWhere each configuration lands: T = {T}, beta = {BETA}, {steps} steps of exact "
+          "expected gradients")
     print(f"{'':>10}{'E[R]':>10}{'KL(ref)':>10}{'KL(pi*)':>10}{'objective':>10}  diverged")
     for name, row in {"optimum": {**conv["optimum"], "diverged": False}, **conv["configs"]}.items():
         numbers = (row[k] for k in ("expected_reward", "kl_to_ref", "kl_to_optimum", "objective"))
@@ -238,7 +263,8 @@ def main(argv=None):
 
     drifts = (0.0, 0.25, 0.5, 1.0, 2.0)
     offpolicy = off_policy_variance(4 if args.fast else 8, drifts)
-    print(f"\nOff-policy, --place weighted: samples of mu = A with a + drift, exact over 2^T sequences")
+    print(f"\nOff-policy, --place weighted: samples of mu = A with a + drift, "
+          f"exact over 2^T sequences")
     print(f"{'drift':>10}{'max |bias|':>12}{'variance':>12}{'E_mu[w^2]':>12}")
     for row in offpolicy:
         print(f"{row['drift']:>10}{row['bias']:>12.1e}{row['variance']:>12.4f}"

@@ -238,6 +238,23 @@ def plot(fig1, conv, history, out):
     fig.savefig(out / "converge.png", dpi=90)
 
 
+def plot_offpolicy(rows, out):
+    """offpolicy.png: the variance of --place weighted's one-sample gradient, E_mu[w^2], by drift."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drift = [row["drift"] for row in rows]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(drift, [row["variance"] for row in rows], "o-",
+            label="variance of one sample's gradient")
+    ax.plot(drift, [row["second_moment_w"] for row in rows], "s--", label="E_mu[w^2] = 1 + chi^2")
+    ax.set(yscale="log", xlabel="drift of mu from pi (a + drift)",
+           title="unbiased off-policy KL gradient: its price")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "offpolicy.png", dpi=90)
+
 def main(argv=None):
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out)
@@ -274,6 +291,7 @@ def main(argv=None):
     (out / "figure1.json").write_text(json.dumps(fig1, indent=1))
     (out / "converge.json").write_text(json.dumps(conv, indent=1))
     plot(fig1, conv, history, out)
+    plot_offpolicy(offpolicy, out)
     return fig1, conv, offpolicy
 
 

@@ -239,7 +239,7 @@ def plot(fig1, conv, history, out):
 
 
 def plot_offpolicy(rows, out):
-    """offpolicy.png: the variance of --place weighted's one-sample gradient, E_mu[w^2], by drift."""
+    """offpolicy.png: --place weighted's one-sample gradient variance and E_mu[w^2], by drift."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

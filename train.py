@@ -263,6 +263,35 @@ def no_grad_logprobs(model, prompts, responses, response_mask, temperature, dtyp
     return torch.cat([logp for logp, _ in parts]), torch.cat([entropy for _, entropy in parts])
 
 
+@torch.no_grad()
+def sampler_vs_trainer(sampler_logp, logp, mask, device):
+    """The sampler mu against the policy pi being trained, on mu's samples: sums over this rank of
+    log mu - log pi per token (mismatch_kl), of the sequences' KL(mu || pi) estimates (K1, K3), of
+    the ratio w = pi/mu and of the tokens with w outside [0.5, 2]; and the largest w, all ranks."""
+    ratio = (logp - sampler_logp).exp()
+    sums = {"mismatch_kl": (mask * (sampler_logp - logp)).sum().item(),
+            "behaviour_kl_k1": (mask * kl.estimate(sampler_logp, logp, "k1")).sum(1).sum().item(),
+            "behaviour_kl_k3": (mask * kl.estimate(sampler_logp, logp, "k3")).sum(1).sum().item(),
+            "ratio": (mask * ratio).sum().item(),
+            "ratio_outside": (mask * ((ratio < 0.5) | (ratio > 2))).sum().item()}
+    return sums, runtime.all_reduce_max((mask * ratio).max().item(), device)
+
+
+def evaluate_pass1(args, sampler, tokenizer, eval_sets, batch_size, rank, world_size):
+    """Pass@1 on each --eval-tasks set (eval.evaluate, one sample each), as metrics.jsonl keys."""
+    from eval import evaluate  # here: only runs with --eval-every need it
+
+    row = {}
+    for name, examples in eval_sets.items():
+        result, _ = evaluate(sampler, tokenizer, examples, samples=1,
+                             max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             top_p=args.top_p, batch_size=batch_size, seed=args.seed, rank=rank,
+                             world_size=world_size)
+        row.update({f"eval/{Path(name).stem}/{key}": result[key]
+                    for key in ("accuracy", "stderr", "pass@1", "n")})
+    return row
+
+
 def load(args, checkpoint_dir):
     """(training examples, eval sets, tokenizer, fp32 policy, stop ids), or a one-line error."""
     try:
@@ -447,21 +476,12 @@ def main(argv=None):
         with torch.no_grad():
             k1 = (mask * kl.estimate(old_logp, ref_logp, "k1")).sum(1)  # per sequence (eq. 5)
             k3 = (mask * kl.estimate(old_logp, ref_logp, "k3")).sum(1)
-            # the sampler mu against the current pi, on mu's samples: KL(mu || pi), ratio pi/mu
-            sampler_logp = out.token_logprobs
-            mu_k1 = (mask * kl.estimate(sampler_logp, old_logp, "k1")).sum(1)
-            mu_k3 = (mask * kl.estimate(sampler_logp, old_logp, "k3")).sum(1)
-            ratio = (old_logp - sampler_logp).exp()
-            ratio_max = runtime.all_reduce_max((mask * ratio).max().item(), device)
+        behaviour, ratio_max = sampler_vs_trainer(out.token_logprobs, old_logp, mask, device)
         total = runtime.all_reduce_sums({
             "sequences": len(batch), "score": scores.sum().item(),
             "correct": (scores >= 1).sum().item(), "return": returns.sum().item(),
             "kl_k1": k1.sum().item(), "kl_k3": k3.sum().item(), "tokens": mask.sum().item(),
-            "entropy": entropy.sum().item(),
-            "mismatch_kl": (mask * (sampler_logp - old_logp)).sum().item(),
-            "behaviour_kl_k1": mu_k1.sum().item(), "behaviour_kl_k3": mu_k3.sum().item(),
-            "ratio": (mask * ratio).sum().item(),
-            "ratio_outside": (mask * ((ratio < 0.5) | (ratio > 2))).sum().item()}, device)
+            "entropy": entropy.sum().item(), **behaviour}, device)
         n, num_resp = total["sequences"], total["tokens"]
         pg_loss, kl_loss, clip_frac = np.mean(losses, axis=0).tolist()
         row = {"step": step, "reward": total["score"] / n, "accuracy": total["correct"] / n,
@@ -480,15 +500,8 @@ def main(argv=None):
                "lr": optimizer.param_groups[0]["lr"], "sample_s": sample_s, "train_s": train_s,
                "tokens_per_s": num_resp / (sample_s + train_s), "skipped": skipped}
         if args.eval_every and step % args.eval_every == 0:
-            from eval import evaluate  # here: only runs with --eval-every need it
-
-            for name, eval_examples in eval_sets.items():
-                result, _ = evaluate(sampler, tokenizer, eval_examples, samples=1,
-                                     max_new_tokens=args.max_new_tokens, temperature=temperature,
-                                     top_p=args.top_p, batch_size=len(batch), seed=args.seed,
-                                     rank=rank, world_size=world_size)
-                for key in ("accuracy", "stderr", "pass@1", "n"):
-                    row[f"eval/{Path(name).stem}/{key}"] = result[key]
+            row.update(evaluate_pass1(args, sampler, tokenizer, eval_sets, len(batch), rank,
+                                      world_size))
         if rank == 0:
             with open(metrics_path, "a") as file:
                 file.write(json.dumps(row) + "\n")

@@ -62,15 +62,16 @@ def read_metrics(path):
 
 
 def run_label(run):
-    """'k1-in-reward β=0.1' from the run's config.json (train.py's flags), else the directory
-    name."""
+    """'k1-in-reward β=0.1' (and ', lag 10' under --async-lag) from the run's config.json
+    (train.py's flags), else the directory name."""
     config_path = run / "config.json"
     if not config_path.is_file():
         return run.name
     config = json.loads(config_path.read_text())
+    lag = f", lag {config['async_lag']}" if config.get("async_lag") else ""
     if config.get("place") == "none" or config.get("beta") == 0:
-        return "no KL"
-    return f"{config.get('kl')}-in-{config.get('place')} β={config.get('beta')}"
+        return "no KL" + lag
+    return f"{config.get('kl')}-in-{config.get('place')} β={config.get('beta')}" + lag
 
 
 def read_evals(run):

@@ -18,6 +18,11 @@ gradient you get:
     place="none":   no KL at all (beta = 0)
     place="weighted": w sg[K1] in the loss, w = prod_t pi/mu (off_policy_kl_loss; train.py's loop)
 
+In the reward, the KL may also be summed from each token to the end (`kl_to_go`, OpenRLHF's
+per-token KL reward with gamma = 1): token t's return is R - beta sum_{s>=t} sg[KL_s]. The KL of
+earlier tokens has no expected gradient (E[grad log pi(y_t | y<t) | y<t] = 0), so for K1 this is
+still grad KL, with less variance (toy.kl_gradient_moments; test_kl.py checks both exactly).
+
 On-policy, the expected gradient of the KL term is then (test_kl.py checks each line exactly):
 
     k1 reward  E[K1 * grad log pi(y)]               = grad KL              unbiased  (eqs. 10, 12)
@@ -115,3 +120,11 @@ def off_policy_kl_loss(logp, behaviour_logp, ref_logp, mask, beta, num_tokens):
     log_w = ((logp - behaviour_logp.detach()) * (mask > 0)).sum(-1)
     k1 = (mask * (logp - ref_logp).detach()).sum(-1)
     return beta * (log_w.exp() * k1).sum() / num_tokens
+
+
+def kl_to_go(logp, ref_logp, mask, kind, clamp="none"):
+    """Per-token KL to go, sum_{s>=t} mask_s KL_s, shape (B, T), detached: the KL part of token t's
+    return when the KL is a per-token reward (R - beta * kl_to_go gives per-token advantages)."""
+    kl = mask * estimate(logp.detach(), ref_logp.detach(), kind, clamp)
+    # sum over s >= t: a cumulative sum from the end
+    return kl.flip(-1).cumsum(-1).flip(-1)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from advantage import group_mean, group_normalized, policy_loss, rloo, truncated_is_loss
-from kl import KINDS, PLACES, estimate, kl_loss, off_policy_kl_loss, shape_rewards
+from kl import KINDS, PLACES, estimate, kl_loss, kl_to_go, off_policy_kl_loss, shape_rewards
 
 f64 = torch.float64
 TOL = 1e-9
@@ -491,3 +491,44 @@ def test_truncated_is_loss_by_hand():
     assert close(loss, (mask * -w.clamp(max=8.0) * advantages[:, None]).sum() / 7)
     assert close(grad, mask * -w * advantages[:, None] * (w <= 8.0) / 7)
     assert close(truncated, torch.tensor(3 / 7.0, dtype=f64))  # w = e^3 > 8 in each row
+
+
+# ---- the KL as a per-token reward, summed to go (OpenRLHF), and toy.py's enumerators ----------------
+
+
+@pytest.mark.parametrize("T, theta, ref, beta", CASES)
+def test_kl_to_go_in_the_reward_is_unbiased_with_less_variance(T, theta, ref, beta):
+    """Token t's return R - beta sum_{s>=t} sg[K1_s], through the real policy_loss with per-token
+    advantages: its expected gradient is grad KL exactly, and one sequence's gradient varies less."""
+    import toy as toy_module
+
+    m = toy(T, theta, ref)
+    logp, ref_logp = m["logp"], m["ref_logp"]
+    mask = torch.ones_like(logp)
+    weight = logp.sum(-1, keepdim=True).exp().detach()
+    to_go = kl_to_go(logp, ref_logp, mask, "k1")
+    assert not to_go.requires_grad
+    by_hand = torch.stack([(logp - ref_logp)[:, t:].sum(-1) for t in range(T)], -1).detach()
+    assert close(to_go, by_hand)
+    loss, _ = policy_loss(logp, logp.detach(), -beta * to_go, weight * mask, num_tokens=1)
+    grad = torch.stack(torch.autograd.grad(loss, (m["a"], m["b"]), retain_graph=True)) / beta
+    true = references(m)["true"]
+    assert close(grad, true)
+    whole_mean, whole_var = toy_module.kl_gradient_moments(T, False, theta, ref)
+    to_go_mean, to_go_var = toy_module.kl_gradient_moments(T, True, theta, ref)
+    assert close(whole_mean, true) and close(to_go_mean, true)
+    assert to_go_var < whole_var if T > 1 else abs(to_go_var - whole_var) < TOL
+
+
+@pytest.mark.parametrize("T, theta, ref, beta", CASES)
+def test_toy_expected_gradient_is_table1(T, theta, ref, beta):
+    """toy.expected_gradient, the enumerator the classroom's exercise E3 asks for, is Table 1."""
+    import toy as toy_module
+
+    m = toy(T, theta, ref)
+    refs = references(m)
+    expected = {("k1", "reward"): refs["true"], ("k1", "loss"): torch.zeros(2),
+                ("k3", "reward"): refs["true"] + refs["eq19"], ("k3", "loss"): refs["eq41"],
+                ("k1", "both"): refs["true"], ("k2", "loss"): refs["k2_path"]}
+    for (kind, place), value in expected.items():
+        assert close(toy_module.expected_gradient(kind, place, T, theta, ref), value), (kind, place)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from advantage import policy_loss
-from kl import kl_loss, off_policy_kl_loss, shape_rewards
+from kl import estimate, kl_loss, kl_to_go, off_policy_kl_loss, shape_rewards
 
 parser = argparse.ArgumentParser(description="The paper's toy model: Fig. 1 and where each KL "
                                              "configuration converges.")
@@ -128,6 +128,43 @@ def all_sequences(T):
     for t in range(1, T):
         node[:, t] = 2 * node[:, t - 1] + 1 + y[:, t - 1].long()
     return y, node
+
+
+def expected_gradient(kind, place, T, theta=THETA, ref=REF):
+    """E_pi[grad of the KL term] of one configuration (beta = 1, R = 0), exactly, as a (2,) tensor
+    in (a, b): all 2^T sequences, each weighted by its detached probability pi(y), through the real
+    training_loss. Table 1 by enumeration: k1 reward -> grad KL, k1 loss -> 0, k3 reward -> eq. 19,
+    k3 loss -> eq. 41."""
+    y, _ = all_sequences(T)
+    a, b = (torch.tensor(v, dtype=f64, requires_grad=True) for v in theta)
+    logp = bernoulli_logp(toy_logits(a, b, y), y)
+    ref_logp = bernoulli_logp(toy_logits(*ref, y), y)
+    weight = logp.sum(-1, keepdim=True).exp().detach()  # pi(y): the weighted sum is E_pi
+    no_reward = torch.zeros(len(y), dtype=f64)
+    loss = training_loss(logp, ref_logp, no_reward, kind, place, 1.0, weight, num_tokens=1)
+    return torch.stack(torch.autograd.grad(loss, (a, b)))
+
+
+def kl_gradient_moments(T, to_go, theta=THETA, ref=REF):
+    """The K1-in-reward gradient of one sequence (beta = 1, R = 0), with the whole sequence's K1 in
+    every token's return (eq. 8) or the K1 to go (kl.kl_to_go), exactly over all 2^T sequences:
+    (mean (2,), variance = trace of the covariance over (a, b)). Both means are grad KL."""
+    y, _ = all_sequences(T)
+    logits = toy_logits(*theta, y)
+    logp = bernoulli_logp(logits, y)
+    ref_logp = bernoulli_logp(toy_logits(*ref, y), y)
+    mask = torch.ones_like(logp)
+    if to_go:
+        k1 = kl_to_go(logp, ref_logp, mask, "k1")
+    else:
+        k1 = estimate(logp, ref_logp, "k1").sum(-1, keepdim=True).expand_as(logp)
+    # grad_(a, b) log pi(y_t | y<t) = (y_t - p_t) (1, c_{t-1})
+    c = y.cumsum(-1) - y
+    score = (y - torch.sigmoid(logits))[..., None] * torch.stack([torch.ones_like(c), c], -1)
+    g = (k1[..., None] * score).sum(1)  # (2^T, 2): sum_t K1(t) grad log pi(y_t | y<t)
+    pi = logp.sum(-1).exp()
+    mean = (pi[:, None] * g).sum(0)
+    return mean, (pi[:, None] * (g - mean) ** 2).sum().item()
 
 
 def converge(T, steps, beta=BETA, lr=LR):
@@ -286,6 +323,12 @@ def main(argv=None):
     for row in offpolicy:
         print(f"{row['drift']:>10}{row['bias']:>12.1e}{row['variance']:>12.4f}"
               f"{row['second_moment_w']:>12.3f}")
+
+    print("\nK1 in the reward, one sequence's gradient: variance with the whole sequence's K1 "
+          "| with the K1 to go")
+    for T in (1, 2, 4, 8) if args.fast else (1, 2, 4, 8, 16):
+        whole, to_go = (kl_gradient_moments(T, flag)[1] for flag in (False, True))
+        print(f"{'T = ' + str(T):>10}{whole:>12.4f}{to_go:>12.4f}   {to_go / whole:.2f}x")
 
     (out / "offpolicy.json").write_text(json.dumps(offpolicy, indent=1))
     (out / "figure1.json").write_text(json.dumps(fig1, indent=1))

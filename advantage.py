@@ -40,10 +40,10 @@ def policy_loss(logp, old_logp, advantages, mask, num_tokens, clip_eps=0.2):
     """PPO-clip surrogate summed over tokens / num_tokens -> (loss, clip_frac).
 
     logp, old_logp, mask: (B, T) per token; advantages: (B,) one per sequence (eq. 7, A_t = A for
-    all t) or (B, T) one per token (a per-token KL reward, kl.kl_to_go). On-policy (old_logp = logp.detach()) the gradient is -(1/num_tokens) sum_i A_i grad log
-    pi(y_i). clip_frac = sum(mask * clipped) / num_tokens, with clipped = tokens whose clipped
-    branch is active (their gradient is zero), so summing it over micro-batches and ranks gives the
-    global fraction.
+    all t) or (B, T) one per token (a per-token KL reward, kl.kl_to_go). On-policy (old_logp =
+    logp.detach()) the gradient is -(1/num_tokens) sum_i A_i grad log pi(y_i). clip_frac =
+    sum(mask * clipped) / num_tokens, with clipped = tokens whose clipped branch is active (their
+    gradient is zero), so summing it over micro-batches and ranks gives the global fraction.
     """
     # eq. 4: ratio w_t = pi(y_t | y<t) / pi_old(y_t | y<t)
     ratio = torch.exp(logp - old_logp.detach())

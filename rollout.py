@@ -110,7 +110,12 @@ def causal_bias(positions, span, groups, dtype):
 
 
 def sdpa_attention(q, k, v, k_cache, v_cache, positions, bias, scale):
-    """Same as flash_attention with PyTorch ops. q (n, L, heads, d); k, v (n, L, kv_heads, d)."""
+    """Same as flash_attention with PyTorch ops: write this step's keys and values into the cache
+    and attend over it. q (n, L, heads, d) and k, v (n, L, kv_heads, d) are the step's n rows of L
+    new tokens; k_cache, v_cache (n, max_len, kv_heads, d) are those rows' cache slots, one layer;
+    positions (n, L) each new token's slot; bias (n, 1, groups * L, span) from causal_bias, span =
+    the slots to read (0..span-1). Query head h reads key/value head h // groups (grouped-query
+    attention, groups = heads / kv_heads). Returns (n, L, kv_heads, groups, d)."""
     n, L, _, head_dim = q.shape
     kv_heads, span = k.shape[2], bias.shape[-1]
     rows = torch.arange(n, device=q.device)[:, None]
@@ -189,8 +194,9 @@ def prefill(model, prompts, cache):
 
 
 def decode(model, tokens, cache):
-    """One step for the first len(tokens) cache rows: feed each its last token, return logits
-    (n, V)."""
+    """One step for the first n = len(tokens) cache rows: feed each row its last sampled token
+    (tokens: (n,)) after its cached slots, and return the next-token logits (n, V), float32. Only
+    the new token goes through the model; the prefix is in the cache."""
     hidden = forward(model, tokens[:, None], cache)
     return model.lm_head(hidden[:, 0]).float()
 

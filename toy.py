@@ -317,8 +317,8 @@ def main(argv=None):
 
     drifts = (0.0, 0.25, 0.5, 1.0, 2.0)
     offpolicy = off_policy_variance(4 if args.fast else 8, drifts)
-    print(f"\nOff-policy, --place weighted: samples of mu = A with a + drift, "
-          f"exact over 2^T sequences")
+    print("\nOff-policy, --place weighted: samples of mu = A with a + drift, "
+          "exact over 2^T sequences")
     print(f"{'drift':>10}{'max |bias|':>12}{'variance':>12}{'E_mu[w^2]':>12}")
     for row in offpolicy:
         print(f"{row['drift']:>10}{row['bias']:>12.1e}{row['variance']:>12.4f}"

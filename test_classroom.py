@@ -9,6 +9,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -23,7 +24,7 @@ STUDY = ROOT / "studies" / "cpu-small"
 
 def grade(cwd, *args):
     """`python -m classroom grade ARGS` in cwd -> ({exercise: (score, max)}, tests, stdout)."""
-    out = pathlib.Path(cwd) / "results.json"
+    out = pathlib.Path(tempfile.mkdtemp()) / "results.json"  # never in the repository
     proc = subprocess.run([sys.executable, "-m", "classroom", "grade", *args, "--json", str(out)],
                           cwd=cwd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

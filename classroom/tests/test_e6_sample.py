@@ -42,8 +42,8 @@ def test_tokens_by_inverse_cdf(c):
     cdf = probs.cumsum(-1)
     want, _ = oracle.sample(c["logits"], c["temperature"], c["top_p"], c["uniform"])
     tokens, _ = call(c)
-    # rows whose uniform sits within 1e-6 of a CDF step could go either way in float32
-    near = ((cdf - c["uniform"][:, None]).abs() < 1e-6).any(-1)
+    # rows whose uniform sits within 1e-5 of a CDF step could go either way in float32
+    near = ((cdf - c["uniform"][:, None]).abs() < 1e-5).any(-1)
     wrong = (tokens != want) & ~near
     assert not wrong.any(), (f"T = {c['temperature']:.2f}, top_p = {c['top_p']:.2f}: "
                              f"{int(wrong.sum())} row(s) drew another token")

@@ -81,8 +81,8 @@ EXERCISES = [
         "E8", "An experiment on the CPU", (), 120,
         "Train the embedded model twice on `arith` with K1 in the reward and K1 in the loss at "
         "beta = 1 (`python train.py --kl k1 --place reward --beta 1 --steps 20 --out "
-        "experiment/k1-reward` and the same with `--place loss`, ~30 min each on a laptop), plot "
-        "them (`python plot.py experiment/k1-reward experiment/k1-loss --out "
+        "experiment/k1-reward` and the same with `--place loss`, 10-25 min each on 2 CPU "
+        "cores), plot them (`python plot.py experiment/k1-reward experiment/k1-loss --out "
         "experiment/plot.png`), and answer in experiment/answer.md (at most 300 words): which run "
         "stays closer to the reference, and why, by Table 1? Graded here: the runs and the plot; "
         "the answer by your instructor's rubric.",

@@ -1,5 +1,5 @@
-"""Tests of data.py: every task loads offline (hub tasks through a mocked hub call with rows in the hub's
-format) and renders a prompt; local .jsonl files; procedural splits; score() dispatch."""
+"""Tests of data.py: every task loads offline (hub tasks through a mocked hub call with rows in the
+hub's format) and renders a prompt; local .jsonl files; procedural splits; score() dispatch."""
 import importlib.util
 import json
 from pathlib import Path
@@ -17,7 +17,8 @@ HUB_ROWS = {
     ("EleutherAI/hendrycks_math", "algebra"): [
         {"problem": "Solve $2x + 3 = 7$.", "level": "Level 1", "type": "Algebra",
          "solution": "Subtract 3: $2x = 4$, so $x = \\boxed{2}$."},
-        {"problem": "No boxed answer here.", "level": "Level 2", "type": "Algebra", "solution": "It is 5."},
+        {"problem": "No boxed answer here.", "level": "Level 2", "type": "Algebra",
+         "solution": "It is 5."},
     ],
     ("EleutherAI/hendrycks_math", "geometry"): [
         {"problem": "Area of a unit square?", "level": "Level 1", "type": "Geometry",
@@ -57,7 +58,8 @@ def tokenizer(smollm2_tokenizer):
 
 def check_example(example):
     assert example["reward"] in ("math", "choice", "countdown")
-    assert example["messages"][-1]["role"] == "user" and data.INSTRUCTION in example["messages"][-1]["content"]
+    assert (example["messages"][-1]["role"] == "user"
+            and data.INSTRUCTION in example["messages"][-1]["content"])
     assert example["problem"] in example["messages"][-1]["content"]
     assert isinstance(example["answer"], str) and example["answer"]
 
@@ -72,14 +74,18 @@ def test_every_task_loads_and_renders_offline(name, mock_hub, tokenizer):
         text = tokenizer.decode(ids)
         assert example["problem"] in text and text.endswith("<|im_start|>assistant\n")
         plain = tokenizer.decode(data.prompt_ids(tokenizer, example, chat_template=False))
-        assert example["problem"] in plain and "<|im_start|>" not in plain and plain.endswith("Answer:")
+        assert (example["problem"] in plain and "<|im_start|>" not in plain
+                and plain.endswith("Answer:"))
 
 
 def test_hub_rows_become_examples(mock_hub):
     math = data.load_task("math", split="train")
-    assert [e["answer"] for e in math] == ["2", "\\frac{2}{2}"]  # the last box; the unboxed row is dropped
-    assert math[0]["subject"] == "Algebra" and math[0]["level"] == "Level 1" and math[0]["reward"] == "math"
-    assert {call[1] for call in mock_hub} == set(data.MATH_SUBJECTS) and {call[2] for call in mock_hub} == {"train"}
+    # the last box; the unboxed row is dropped
+    assert [e["answer"] for e in math] == ["2", "\\frac{2}{2}"]
+    assert (math[0]["subject"] == "Algebra" and math[0]["level"] == "Level 1"
+            and math[0]["reward"] == "math")
+    assert ({call[1] for call in mock_hub} == set(data.MATH_SUBJECTS)
+            and {call[2] for call in mock_hub} == {"train"})
     (m500,) = data.load_task("math500")
     assert m500["answer"] == "\\left( 3, \\frac{\\pi}{2} \\right)" and m500["level"] == 2
     (m2,) = data.load_task("math2")
@@ -88,11 +94,13 @@ def test_hub_rows_become_examples(mock_hub):
     assert mmlu["answer"] == "C" and mmlu["reward"] == "choice"
     assert "A. mass\nB. speed\nC. velocity\nD. energy" in mmlu["messages"][-1]["content"]
     assert ("cais/mmlu", "college_physics", "test") in mock_hub
-    assert data.score(mmlu, "velocity, so \\boxed{C}") == 1.0 and data.score(m500, "\\boxed{(3, \\pi/2)}") == 1.0
+    assert (data.score(mmlu, "velocity, so \\boxed{C}") == 1.0
+            and data.score(m500, "\\boxed{(3, \\pi/2)}") == 1.0)
 
 
 @pytest.mark.parametrize("name, local", [("math", "math_train.jsonl"), ("math500", "math500.jsonl"),
-                                         ("math2", ".jsonl"), ("mmlu-college-biology", "mmlu_college_biology.jsonl")])
+                                         ("math2", ".jsonl"),
+                                         ("mmlu-college-biology", "mmlu_college_biology.jsonl")])
 def test_hub_tasks_offline_fail_at_once_naming_the_local_file(name, local, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(hub.HubUnreachable, match=local.replace(".", r"\.")):
@@ -102,7 +110,8 @@ def test_hub_tasks_offline_fail_at_once_naming_the_local_file(name, local, monke
 def test_math2_row_without_known_columns_says_what_it_found():
     with pytest.raises(ValueError, match="Frage"):
         data.math2_row({"Frage": "?", "Antwort": "2"})
-    assert data.math2_row({"problem": "p", "solution": "so \\boxed{7}"}) == {"problem": "p", "answer": "7"}
+    assert (data.math2_row({"problem": "p", "solution": "so \\boxed{7}"})
+            == {"problem": "p", "answer": "7"})
 
 
 # ---- local .jsonl files --------------------------------------------------------------------------
@@ -111,10 +120,12 @@ def test_local_jsonl_fixtures():
     math = data.load_task(str(FIXTURES / "math.jsonl"))
     assert [e["answer"] for e in math] == ["\\frac{1}{2}", "7", "0.25"]  # a number becomes a string
     assert all(e["reward"] == "math" for e in math)
-    assert data.score(math[0], "so \\boxed{0.5}") == 1.0 and data.score(math[1], "\\boxed{8}") == 0.0
+    assert (data.score(math[0], "so \\boxed{0.5}") == 1.0
+            and data.score(math[1], "\\boxed{8}") == 0.0)
     choice = data.load_task(str(FIXTURES / "choice.jsonl"))
     assert [e["answer"] for e in choice] == ["B", "D"]  # an index and a letter
-    assert data.score(choice[0], "\\boxed{(B)}") == 1.0 and data.score(choice[1], "\\boxed{B}") == 0.0
+    assert (data.score(choice[0], "\\boxed{(B)}") == 1.0
+            and data.score(choice[1], "\\boxed{B}") == 0.0)
 
 
 @pytest.mark.parametrize("line, message", [
@@ -149,7 +160,8 @@ def test_limit_is_a_seeded_subset_in_file_order():
     full = data.load_task(str(FIXTURES / "math.jsonl"))
     subset = data.load_task(str(FIXTURES / "math.jsonl"), limit=2, seed=3)
     assert subset == data.load_task(str(FIXTURES / "math.jsonl"), limit=2, seed=3)
-    assert len(subset) == 2 and [full.index(e) for e in subset] == sorted(full.index(e) for e in subset)
+    assert (len(subset) == 2
+            and [full.index(e) for e in subset] == sorted(full.index(e) for e in subset))
 
 
 def test_bad_names():
@@ -170,8 +182,9 @@ def test_procedural_splits_are_seeded_and_disjoint(name):
     assert data.load_task(name, "test", limit=200, seed=0) == test
     assert data.load_task(name, "test", limit=200, seed=1) != test
     assert {e["problem"] for e in train}.isdisjoint(e["problem"] for e in test)
+    # other seeds too: the split is a fixed partition of the problems
     assert {e["problem"] for e in data.load_task(name, "train", limit=2000, seed=1)}.isdisjoint(
-        e["problem"] for e in test)  # other seeds too: the split is a fixed partition of the problems
+        e["problem"] for e in test)
     assert len(data.load_task(name, "train")) == data.PROCEDURAL_SIZE["train"]
 
 
@@ -179,12 +192,15 @@ def test_arith_answers():
     test = data.load_task("arith", "test")
     assert len({e["problem"] for e in test}) == len(test) > 150  # every test problem once
     for example in test:
-        a, b = (int(tok) for tok in example["problem"].removeprefix("What is ").rstrip("?").split(" + "))
+        a, b = (int(tok) for tok in
+                example["problem"].removeprefix("What is ").rstrip("?").split(" + "))
         assert 1 <= a <= 30 and 1 <= b <= 30 and example["answer"] == str(a + b)
-        assert data.score(example, f"{a} + {b} = {a + b}. The final answer is \\boxed{{{a + b}}}.") == 1.0
+        assert data.score(
+            example, f"{a} + {b} = {a + b}. The final answer is \\boxed{{{a + b}}}.") == 1.0
         assert data.score(example, f"\\boxed{{{a + b + 1}}}") == 0.0
     train = data.load_task("arith")
-    assert len(train) == data.PROCEDURAL_SIZE["train"] and train[0]["messages"][1]["role"] == "assistant"
+    assert (len(train) == data.PROCEDURAL_SIZE["train"]
+            and train[0]["messages"][1]["role"] == "assistant")
 
 
 def test_countdown_answers_are_valid():

@@ -1,4 +1,5 @@
-"""Tests of eval.py (mean@k, pass@k, sharding, completions.jsonl) and plot.py (renders without a display)."""
+"""Tests of eval.py (mean@k, pass@k, sharding, completions.jsonl) and plot.py (renders without a
+display)."""
 import importlib.util
 import itertools
 import json
@@ -20,11 +21,13 @@ REPO = Path(__file__).parent
 def test_mean_at_k_and_stderr_by_hand():
     correct = np.array([[1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=float)
     metrics = evaluation.mean_at_k(correct)
-    # per-problem fractions 0.75, 0, 1, 0.25: mean 0.5; deviations .25 -.5 .5 -.25; ddof=1 variance 0.625/3
+    # per-problem fractions 0.75, 0, 1, 0.25: mean 0.5; deviations .25 -.5 .5 -.25;
+    # ddof=1 variance 0.625/3
     assert metrics["n"] == 4
     assert metrics["accuracy"] == pytest.approx(0.5)
     assert metrics["stderr"] == pytest.approx(math.sqrt(0.625 / 3) / 2)
-    assert evaluation.mean_at_k(correct[:1])["stderr"] == 0.0  # one problem: undefined, reported as 0
+    # one problem: undefined, reported as 0
+    assert evaluation.mean_at_k(correct[:1])["stderr"] == 0.0
 
 
 def test_pass_at_k_matches_enumeration():
@@ -40,24 +43,29 @@ def test_pass_at_k_matches_enumeration():
 
 def records_from(rewards, **fields):
     """Completion records of problems with these per-sample rewards, plus per-problem fields."""
-    return [{"index": i, "sample": j, "reward": reward, **{key: values[i] for key, values in fields.items()}}
+    return [{"index": i, "sample": j, "reward": reward,
+             **{key: values[i] for key, values in fields.items()}}
             for i, row in enumerate(rewards) for j, reward in enumerate(row)]
 
 
 def test_summarize_by_hand():
-    rewards = [[1.0, 0.0, 1.0, 1.0], [0.0, 0.1, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]]
+    rewards = [[1.0, 0.0, 1.0, 1.0], [0.0, 0.1, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0],
+               [1.0, 0.0, 0.0, 0.0]]
     records = records_from(rewards, subject=["alg", "geo", "alg", "geo"], level=[1, 2, 2, 2])
     metrics = evaluation.summarize(records[::-1])  # the order of the records does not matter
     assert metrics["samples"] == 4 and metrics["n"] == 4
-    assert metrics["accuracy"] == metrics["pass@1"] == pytest.approx(0.5)  # a 0.1 partial reward is not correct
+    # a 0.1 partial reward is not correct
+    assert metrics["accuracy"] == metrics["pass@1"] == pytest.approx(0.5)
     assert metrics["stderr"] == pytest.approx(math.sqrt(0.625 / 3) / 2)
     # pass@2 per problem: 1 - C(1,2)/C(4,2) = 1, 0, 1, 1 - C(3,2)/C(4,2) = 0.5
     assert metrics["pass@2"] == pytest.approx(2.5 / 4)
     assert metrics["pass@4"] == pytest.approx(3 / 4)
     assert set(metrics) >= {"accuracy", "stderr", "n", "samples", "pass@1", "pass@2", "pass@4"}
     # alg: 0.75, 1.0; geo: 0, 0.25; level 1: 0.75; level 2: 0, 1, 0.25
-    assert metrics["by_subject"]["alg"] == pytest.approx({"accuracy": 0.875, "stderr": 0.125, "n": 2})
-    assert metrics["by_subject"]["geo"] == pytest.approx({"accuracy": 0.125, "stderr": 0.125, "n": 2})
+    assert metrics["by_subject"]["alg"] == pytest.approx(
+        {"accuracy": 0.875, "stderr": 0.125, "n": 2})
+    assert metrics["by_subject"]["geo"] == pytest.approx(
+        {"accuracy": 0.125, "stderr": 0.125, "n": 2})
     assert metrics["by_level"]["1"] == {"accuracy": 0.75, "stderr": 0.0, "n": 1}
     level2 = np.array([0.0, 1.0, 0.25])
     assert metrics["by_level"]["2"] == pytest.approx(
@@ -68,7 +76,8 @@ def test_summarize_by_hand():
 
 def test_bad_input_is_one_line_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        evaluation.main(["--model", "x", "--tasks", "math500", "--out", str(tmp_path), "--samples", "0"])
+        evaluation.main(["--model", "x", "--tasks", "math500", "--out", str(tmp_path),
+                         "--samples", "0"])
     assert "--samples" in capsys.readouterr().err
     missing = tmp_path / "missing.jsonl"
     with pytest.raises(SystemExit):
@@ -76,7 +85,8 @@ def test_bad_input_is_one_line_error(tmp_path, capsys):
     assert "missing.jsonl" in capsys.readouterr().err
 
 
-# ---- end to end on a tiny random Llama with the SmolLM2 tokenizer: 1 process vs torchrun with 2 ranks ----
+# ---- end to end on a tiny random Llama with the SmolLM2 tokenizer:
+#      1 process vs torchrun with 2 ranks ----
 
 TASK_ROWS = [  # mixed prompt lengths; two rows carry a subject so the breakdown path runs too
     {"problem": "What is 1+1?", "answer": "2"},
@@ -91,7 +101,8 @@ EVAL_FLAGS = ["--samples", "3", "--batch-size", "4", "--max-new-tokens", "8", "-
 
 @pytest.fixture(scope="module")
 def eval_runs(tmp_path_factory, smollm2_tokenizer, tiny_llama):
-    """eval.py run by one process and by torchrun --nproc_per_node=2 (gloo) on the same tiny model and task."""
+    """eval.py run by one process and by torchrun --nproc_per_node=2 (gloo) on the same tiny model
+    and task."""
     root = tmp_path_factory.mktemp("eval")
     tokenizer = smollm2_tokenizer
     tiny_llama(len(tokenizer), max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id,
@@ -99,15 +110,18 @@ def eval_runs(tmp_path_factory, smollm2_tokenizer, tiny_llama):
     tokenizer.save_pretrained(root / "model")
     task = root / "task.jsonl"
     task.write_text("".join(json.dumps(row) + "\n" for row in TASK_ROWS))
-    # 5 problems x 3 samples = 15 sequences in 4 batches: rank 0 gets batches 0 and 2, rank 1 batches 1 and 3
+    # 5 problems x 3 samples = 15 sequences in 4 batches: rank 0 gets batches 0 and 2,
+    # rank 1 batches 1 and 3
     flags = ["--model", str(root / "model"), "--tasks", str(task), *EVAL_FLAGS]
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as in each torchrun worker (OMP_NUM_THREADS=1), so the float sums match too
+    # as in each torchrun worker (OMP_NUM_THREADS=1), so the float sums match too
+    torch.set_num_threads(1)
     try:
         evaluation.main([*flags, "--out", str(root / "single")])
     finally:
         torch.set_num_threads(threads)
-    env = {key: value for key, value in os.environ.items() if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     sharded = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                               str(REPO / "eval.py"), *flags, "--out", str(root / "sharded")],
                              env=env, capture_output=True, text=True, timeout=300)
@@ -118,7 +132,8 @@ def eval_runs(tmp_path_factory, smollm2_tokenizer, tiny_llama):
 def test_sharded_equals_unsharded(eval_runs):
     task, single, sharded = eval_runs
     assert (single / "completions.jsonl").read_text() == (sharded / "completions.jsonl").read_text()
-    assert json.loads((single / "eval.json").read_text()) == json.loads((sharded / "eval.json").read_text())
+    assert (json.loads((single / "eval.json").read_text())
+            == json.loads((sharded / "eval.json").read_text()))
     completions = [json.loads(line)["completion"] for line in (single / "completions.jsonl").open()]
     assert len(set(completions)) == len(completions)  # every sample drew its own random numbers
 
@@ -131,12 +146,14 @@ def test_completions_round_trip(eval_runs):
     results = json.loads((single / "eval.json").read_text())
     records = [json.loads(line) for line in (single / "completions.jsonl").open()]
     examples = data.load_task(str(task), split="test")
-    assert [(r["index"], r["sample"]) for r in records] == [(i, j) for i in range(5) for j in range(3)]
+    assert ([(r["index"], r["sample"]) for r in records]
+            == [(i, j) for i in range(5) for j in range(3)])
     for record in records:
         assert record["task"] == str(task)
         example = examples[record["index"]]
         assert record["problem"] == example["problem"] and record["answer"] == example["answer"]
-        assert record["reward"] == data.score(example, record["completion"])  # any score can be audited
+        # any score can be audited
+        assert record["reward"] == data.score(example, record["completion"])
         assert record["extracted"] == extract_boxed(record["completion"])
     # eval.json is exactly what the completions say
     assert results == {str(task): evaluation.summarize(records)}
@@ -153,7 +170,8 @@ def write_run(run, config, steps, eval_results):
         (run / "config.json").write_text(json.dumps(config))
     with open(run / "metrics.jsonl", "w") as file:
         for step in range(steps):
-            row = {"step": step, "reward": 0.3 + 0.01 * step, "kl_k1": 0.01 * step, "kl_k3": 0.009 * step,
+            row = {"step": step, "reward": 0.3 + 0.01 * step,
+                   "kl_k1": 0.01 * step, "kl_k3": 0.009 * step,
                    "entropy": 1.0 - 0.01 * step, "response_len": 50 + step,
                    "grad_norm": float("nan") if step == 3 else 1.0}
             if step % 5 == 0:
@@ -168,12 +186,15 @@ def test_plot_renders_without_display(tmp_path):
     results = {"arith": {"accuracy": 0.5, "stderr": 0.05, "n": 100, "samples": 4},
                "math500": {"accuracy": 0.1, "stderr": 0.01, "n": 50, "samples": 4}}
     write_run(tmp_path / "k1_reward", {"kl": "k1", "place": "reward", "beta": 0.1}, 20, results)
-    write_run(tmp_path / "none", {"kl": "k1", "place": "none", "beta": 0.0}, 12, {"arith": results["arith"]})
-    write_run(tmp_path / "bare", None, 8, None)  # no config.json, no eval.json: labelled by its name
+    write_run(tmp_path / "none", {"kl": "k1", "place": "none", "beta": 0.0}, 12,
+              {"arith": results["arith"]})
+    # no config.json, no eval.json: labelled by its name
+    write_run(tmp_path / "bare", None, 8, None)
     env = {key: value for key, value in os.environ.items() if key not in ("DISPLAY", "MPLBACKEND")}
     out = tmp_path / "fig.png"
     runs = [str(tmp_path / name) for name in ("k1_reward", "none", "bare")]
-    done = subprocess.run([sys.executable, str(REPO / "plot.py"), *runs, "--out", str(out), "--smooth", "0.5"],
+    done = subprocess.run([sys.executable, str(REPO / "plot.py"), *runs, "--out", str(out),
+                           "--smooth", "0.5"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
@@ -187,7 +208,8 @@ def test_plot_renders_without_display(tmp_path):
 
 
 def test_plot_merges_eval_files_one_level_down(tmp_path):
-    """RUN/eval.json and RUN/*/eval.json (one eval.py --out per setting) merge; a .jsonl task shows its stem."""
+    """RUN/eval.json and RUN/*/eval.json (one eval.py --out per setting) merge; a .jsonl task shows
+    its stem."""
     import plot
 
     (tmp_path / "eval-math500").mkdir()
@@ -200,10 +222,12 @@ def test_plot_merges_eval_files_one_level_down(tmp_path):
 def test_plot_table_lists_final_results(tmp_path):
     import plot
 
-    rows = [{"step": s, "reward": s / 10, "kl_k1": float("nan") if s == 9 else 1.0, "skipped": int(s == 9)}
+    rows = [{"step": s, "reward": s / 10, "kl_k1": float("nan") if s == 9 else 1.0,
+             "skipped": int(s == 9)}
             for s in range(10)]
     text = plot.table(["k1-in-reward β=0.05", "base"], [rows, []],
-                      [{"arith": {"accuracy": 0.75, "stderr": 0.03}}, {"arith": {"accuracy": 0.4, "stderr": 0.04}}])
+                      [{"arith": {"accuracy": 0.75, "stderr": 0.03}},
+                       {"arith": {"accuracy": 0.4, "stderr": 0.04}}])
     lines = text.splitlines()
     assert lines[0].startswith("| run | arith | train reward, last 5 steps")
     # reward: mean of steps 5-9 = 0.7; K1: the finite ones of the last 5 (1.0); one skipped step

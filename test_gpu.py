@@ -1,8 +1,9 @@
-"""Tests that need a CUDA GPU (and, for the flash branch, flash-attn): `pytest -m gpu -q` on a GPU machine.
+"""Tests that need a CUDA GPU (and, for the flash branch, flash-attn): `pytest -m gpu -q` on a GPU
+machine.
 
-On a CPU they skip with the reason. They check the two CUDA-only branches the CPU suite cannot reach: the
-sampler's flash_attn_with_kvcache path against its SDPA path on the same cache, and a bf16 training step of
-train.py on CUDA (NCCL is not needed: one process).
+On a CPU they skip with the reason. They check the two CUDA-only branches the CPU suite cannot
+reach: the sampler's flash_attn_with_kvcache path against its SDPA path on the same cache, and a
+bf16 training step of train.py on CUDA (NCCL is not needed: one process).
 """
 import json
 import os
@@ -18,8 +19,10 @@ from test_rollout import tiny_model
 
 ROOT = Path(__file__).parent
 pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pytest -m gpu)")]
-needs_flash = pytest.mark.skipif(not rollout.flash_attn_status()[0], reason=rollout.flash_attn_status()[1])
+              pytest.mark.skipif(not torch.cuda.is_available(),
+                                 reason="needs a CUDA GPU (pytest -m gpu)")]
+needs_flash = pytest.mark.skipif(not rollout.flash_attn_status()[0],
+                                 reason=rollout.flash_attn_status()[1])
 
 
 def cache_for(model, rows, length, flash):
@@ -34,8 +37,8 @@ def cache_for(model, rows, length, flash):
 @needs_flash
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
 def test_flash_equals_sdpa_on_the_same_cache(family):
-    """Prefill three prompts of different lengths, then decode 8 steps feeding the same tokens to both paths:
-    the logits agree within bf16 rounding at every step."""
+    """Prefill three prompts of different lengths, then decode 8 steps feeding the same tokens to
+    both paths: the logits agree within bf16 rounding at every step."""
     model = tiny_model(family).cuda().bfloat16()
     prompts = [[5, 9, 2, 7, 7, 1, 3], [3, 4], [8, 8, 8, 1]]
     caches = {flash: cache_for(model, 3, 32, flash) for flash in (True, False)}
@@ -50,8 +53,8 @@ def test_flash_equals_sdpa_on_the_same_cache(family):
 
 @needs_flash
 def test_flash_generate_greedy_matches_sdpa(monkeypatch):
-    """Greedy generation with flash and with SDPA (flash turned off) agree on most tokens (bf16 ties may
-    break differently; a wrong cache position would diverge at once)."""
+    """Greedy generation with flash and with SDPA (flash turned off) agree on most tokens (bf16
+    ties may break differently; a wrong cache position would diverge at once)."""
     model = tiny_model("llama3").cuda().bfloat16()
     prompts = [[5, 9, 2, 7, 7, 1, 3], [3, 4], [8, 8, 8, 1]] * 2
     flash = rollout.generate(model, prompts, 24, temperature=0)
@@ -62,16 +65,19 @@ def test_flash_generate_greedy_matches_sdpa(monkeypatch):
 
 
 def test_bf16_train_step_on_cuda(tmp_path, letter_model):
-    """Two steps of train.py on CUDA in bf16 (autocast, bf16 sampler, fp32 log-prob passes): finite metrics, the
-    KL of step 1 exactly 0, and sampler and trainer close (mismatch_kl)."""
+    """Two steps of train.py on CUDA in bf16 (autocast, bf16 sampler, fp32 log-prob passes): finite
+    metrics, the KL of step 1 exactly 0, and sampler and trainer close (mismatch_kl)."""
     task = letter_model(tmp_path)["task"]
-    argv = ["--kl", "k3", "--place", "loss", "--model", str(tmp_path / "model"), "--task", str(task),
+    argv = ["--kl", "k3", "--place", "loss", "--model", str(tmp_path / "model"),
+            "--task", str(task),
             "--group-size", "4", "--prompts-per-step", "4", "--max-new-tokens", "5", "--steps", "2",
             "--dtype", "bfloat16", "--lr", "1e-2", "--out", str(tmp_path / "run")]
-    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv], cwd=ROOT, capture_output=True,
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv],
+                            cwd=ROOT, capture_output=True,
                             text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line)
+            for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["kl_k3"] == 0.0 and rows[1]["kl_k3"] > 0
     for row in rows:
         assert all(v is None or not isinstance(v, float) or v == v for v in row.values())  # no NaN

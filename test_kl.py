@@ -1,9 +1,10 @@
 """Exact tests of kl.py and advantage.py on the toy model of sec. 3.3 (float64, all 2^T sequences).
 
-Every expectation below is an exact sum over all 2^T binary sequences, each weighted by its (detached)
-probability passed through the float mask of the real `policy_loss` / `kl_loss`, with num_tokens = 1.
-So every claim of sec. 3 and appendix F is checked to 1e-9, not statistically. The references
-(eqs. 19, 21-22, 41) are computed independently, by hand-derived formulas for Bernoulli tokens.
+Every expectation below is an exact sum over all 2^T binary sequences, each weighted by its
+(detached) probability passed through the float mask of the real `policy_loss` / `kl_loss`, with
+num_tokens = 1. So every claim of sec. 3 and appendix F is checked to 1e-9, not statistically. The
+references (eqs. 19, 21-22, 41) are computed independently, by hand-derived formulas for Bernoulli
+tokens.
 """
 
 import itertools
@@ -23,7 +24,8 @@ CASES = [(1, (0.3, 0.0), (-0.4, 0.0), 1.0), (3, (0.5, -0.2), (0.0, -0.3), 0.1),
 
 
 def toy(T, theta, ref):
-    """All 2^T sequences with per-token log-probs under A (differentiable in a, b) and B (eqs. 17-18)."""
+    """All 2^T sequences with per-token log-probs under A (differentiable in a, b) and B
+    (eqs. 17-18)."""
     y = torch.tensor(list(itertools.product([0.0, 1.0], repeat=T)), dtype=f64)
     c = y.cumsum(-1) - y  # c_{t-1}
     a, b = (torch.tensor(v, dtype=f64, requires_grad=True) for v in theta)
@@ -34,7 +36,8 @@ def toy(T, theta, ref):
 
 
 def expected_loss_grad(m, kind, place, beta, scores=None):
-    """grad_(a, b) E[loss] of one configuration, through the real shape_rewards, policy_loss and kl_loss."""
+    """grad_(a, b) E[loss] of one configuration, through the real shape_rewards, policy_loss and
+    kl_loss."""
     logp, ref_logp = m["logp"], m["ref_logp"]
     weight = logp.sum(-1, keepdim=True).exp().detach()  # pi(y): the weighted sum over all y is E_pi
     scores = torch.zeros(len(logp), dtype=f64) if scores is None else scores
@@ -65,7 +68,8 @@ def references(m):
         closed_form=(pi[:, None] * score * log_ratio[:, None]).sum(0),  # eqs. 21-22
         # eq. 19: E[sum_t r_t grad log pi(y)]
         eq19=(pi[:, None] * score * r.sum(1, keepdim=True)).sum(0),
-        # eq. 41: sum_t E_{y<t}[grad KL(pi_ref(.|y<t) || pi(.|y<t))], with d/dz KL(Bern(q) || Bern(p)) = p - q
+        # eq. 41: sum_t E_{y<t}[grad KL(pi_ref(.|y<t) || pi(.|y<t))],
+        # with d/dz KL(Bern(q) || Bern(p)) = p - q
         eq41=(pi[:, None] * per_param(p - q).sum(1)).sum(0),
         # token-level reverse KL, prefix frozen: d/dz KL(Bern(p) || Bern(q)) = p (1 - p) (z - z_ref)
         k2_path=(pi[:, None] * per_param(p * (1 - p) * (z - z_ref)).sum(1)).sum(0),
@@ -80,19 +84,24 @@ def close(x, y):
 def test_expected_gradients_table1(T, theta, ref, beta):
     m = toy(T, theta, ref)
     refs = references(m)
-    grad = lambda kind, place: expected_loss_grad(m, kind, place, beta) / beta  # = E[grad of the KL term]
+    # grad(kind, place) = E[grad of the KL term]
+    grad = lambda kind, place: expected_loss_grad(m, kind, place, beta) / beta
     assert close(refs["true"], refs["closed_form"])  # eq. 23 == eqs. 21-22
     assert close(grad("k1", "reward"), refs["true"])  # eqs. 10, 12: unbiased
     assert close(grad("k1", "loss"), torch.zeros(2))  # eq. 13: zero in expectation
     assert close(grad("k3", "loss"), refs["eq41"])  # eqs. 16, 41: token-level forward KL
     assert close(grad("k3", "reward"), refs["true"] + refs["eq19"])  # eqs. 15, 19
-    assert close(refs["eq19"], -refs["eq41"])  # eq. 45: the K3-in-reward bias is minus the K3-in-loss gradient
+    # eq. 45: the K3-in-reward bias is minus the K3-in-loss gradient
+    assert close(refs["eq19"], -refs["eq41"])
     assert close(grad("k1", "both"), refs["true"])  # sec. 3.1, 4.3
     assert close(grad("k3", "both"), refs["true"])
-    assert close(grad("k2", "loss"), refs["k2_path"])  # the token-level reverse KL, prefix held fixed
+    # the token-level reverse KL, prefix held fixed
+    assert close(grad("k2", "loss"), refs["k2_path"])
     assert close(grad("k1", "none"), torch.zeros(2))
-    # and the biased ones really are biased; K2-in-loss only from T = 2 on: for one token it is exact
-    biased = [("k1", "loss"), ("k3", "loss"), ("k3", "reward")] + ([("k2", "loss")] if T > 1 else [])
+    # and the biased ones really are biased; K2-in-loss only from T = 2 on:
+    # for one token it is exact
+    biased = ([("k1", "loss"), ("k3", "loss"), ("k3", "reward")]
+              + ([("k2", "loss")] if T > 1 else []))
     for kind, place in biased:
         assert (grad(kind, place) - refs["true"]).abs().max() > 1e-3, (kind, place)
     if T == 1:
@@ -101,15 +110,18 @@ def test_expected_gradients_table1(T, theta, ref, beta):
 
 @pytest.mark.parametrize("T, theta, ref, beta", CASES)
 def test_full_objective_gradient(T, theta, ref, beta):
-    """With a task reward: the loss gradient is -grad(E[R] - beta KL) for the unbiased configurations."""
+    """With a task reward: the loss gradient is -grad(E[R] - beta KL) for the unbiased
+    configurations."""
     m = toy(T, theta, ref)
     scores = torch.rand(len(m["y"]), dtype=f64, generator=torch.Generator().manual_seed(T))
     pi = m["logp"].sum(-1).exp()
-    grad_reward = torch.stack(torch.autograd.grad((pi * scores).sum(), (m["a"], m["b"]), retain_graph=True))
+    grad_reward = torch.stack(torch.autograd.grad((pi * scores).sum(), (m["a"], m["b"]),
+                                                  retain_graph=True))
     true = references(m)["true"]
     for kind, place in (("k1", "reward"), ("k1", "both"), ("k3", "both")):
         assert close(expected_loss_grad(m, kind, place, beta, scores), -(grad_reward - beta * true))
-    assert close(expected_loss_grad(m, "k1", "loss", beta, scores), -grad_reward)  # lands where beta = 0 lands
+    # lands where beta = 0 lands
+    assert close(expected_loss_grad(m, "k1", "loss", beta, scores), -grad_reward)
     assert close(expected_loss_grad(m, "k3", "none", beta, scores), -grad_reward)
 
 
@@ -127,16 +139,19 @@ def test_estimators_expectation(T, theta, ref, beta):
 
 def test_estimate_values_and_k3_stability():
     g = torch.Generator().manual_seed(0)
-    logp, ref_logp = -5 * torch.rand(64, 32, dtype=f64, generator=g), -5 * torch.rand(64, 32, dtype=f64, generator=g)
+    logp, ref_logp = (-5 * torch.rand(64, 32, dtype=f64, generator=g),
+                      -5 * torch.rand(64, 32, dtype=f64, generator=g))
     r = (ref_logp - logp).exp()
     assert torch.allclose(estimate(logp, ref_logp, "k1"), logp - ref_logp)
     assert torch.allclose(estimate(logp, ref_logp, "k2"), 0.5 * (logp - ref_logp) ** 2)
     assert torch.allclose(estimate(logp, ref_logp, "k3"), r - 1 - r.log())  # eq. 14
     # K3 >= 0 per token, also far from r = 1 and in float32 / bfloat16
-    log_r = torch.cat([torch.linspace(-30, 30, 10001), torch.logspace(-12, 0, 500), -torch.logspace(-12, 0, 500)])
+    log_r = torch.cat([torch.linspace(-30, 30, 10001), torch.logspace(-12, 0, 500),
+                       -torch.logspace(-12, 0, 500)])
     for dtype in (torch.float64, torch.float32, torch.bfloat16):
         assert (estimate(torch.zeros_like(log_r, dtype=dtype), log_r.to(dtype), "k3") >= 0).all()
-    # near r = 1 the naive r - 1 - log r cancels catastrophically in float32; expm1 keeps ~1e-3 relative accuracy
+    # near r = 1 the naive r - 1 - log r cancels catastrophically in float32;
+    # expm1 keeps ~1e-3 relative accuracy
     small = torch.tensor([1e-4, -1e-4, 3e-4, 1e-3, -1e-3], dtype=torch.float32)
     exact = estimate(torch.zeros_like(small, dtype=f64), small.double(), "k3")
     k3 = estimate(torch.zeros_like(small), small, "k3").double()
@@ -146,18 +161,20 @@ def test_estimate_values_and_k3_stability():
     assert estimate(torch.zeros(3), torch.zeros(3), "k3").eq(0).all()
 
 
-# ---- variable lengths: the toy model with an end-of-sequence token ------------------------------------
+# ---- variable lengths: the toy model with an end-of-sequence token -------------------------------
 
 EOS = 2  # token code; 0 and 1 are the toy's binary tokens
 # (T, (a, b, e) of the policy, (a~, b~, e~) of the reference, beta)
-EOS_CASES = [(1, (0.3, 0.0, -1.0), (-0.4, 0.0, 0.5), 1.0), (3, (0.5, -0.2, -0.8), (0.0, -0.3, -1.5), 0.1),
+EOS_CASES = [(1, (0.3, 0.0, -1.0), (-0.4, 0.0, 0.5), 1.0),
+             (3, (0.5, -0.2, -0.8), (0.0, -0.3, -1.5), 0.1),
              (5, (-0.7, 0.4, -1.2), (0.2, 0.3, -0.6), 0.5)]
 
 
 def toy_with_eos(T, theta, ref):
-    """Every response of the toy model with a stop token: at each step EOS with probability sigmoid(e), else
-    y_t ~ Bernoulli(sigmoid(a + b c_{t-1})) (eq. 17). A response ends with its EOS (a token of the response,
-    as in train.py's response_mask) or at T tokens: sum_{k<T} 2^k + 2^T responses, padded to T."""
+    """Every response of the toy model with a stop token: at each step EOS with probability
+    sigmoid(e), else y_t ~ Bernoulli(sigmoid(a + b c_{t-1})) (eq. 17). A response ends with its EOS
+    (a token of the response, as in train.py's response_mask) or at T tokens: sum_{k<T} 2^k + 2^T
+    responses, padded to T."""
     rows = [[*bits, EOS] for k in range(T) for bits in itertools.product([0, 1], repeat=k)]
     rows += [list(bits) for bits in itertools.product([0, 1], repeat=T)]
     tokens = torch.tensor([row + [0] * (T - len(row)) for row in rows], dtype=f64)
@@ -175,7 +192,8 @@ def toy_with_eos(T, theta, ref):
 
     dist, ref_dist = next_token_logp(*params), next_token_logp(*ref)
     pick = lambda d: d.gather(-1, tokens.long()[..., None])[..., 0] * mask  # noqa: E731
-    return dict(params=params, mask=mask, dist=dist, ref_dist=ref_dist, logp=pick(dist), ref_logp=pick(ref_dist))
+    return dict(params=params, mask=mask, dist=dist, ref_dist=ref_dist, logp=pick(dist),
+                ref_logp=pick(ref_dist))
 
 
 def eos_references(m):
@@ -184,7 +202,8 @@ def eos_references(m):
     pi, mask, params = seq_logp.exp(), m["mask"], m["params"]
     grad = lambda f: torch.stack(torch.autograd.grad(f, params, retain_graph=True))  # noqa: E731
     r = (m["ref_logp"] - m["logp"]).detach().exp() * mask  # r_t on response tokens, 0 on padding
-    # the token-level forward KL of each reached prefix, KL(pi_ref(.|y<t) || pi(.|y<t)), weighted by P(prefix)
+    # the token-level forward KL of each reached prefix, KL(pi_ref(.|y<t) || pi(.|y<t)),
+    # weighted by P(prefix)
     forward_kl = (m["ref_dist"].exp() * (m["ref_dist"] - m["dist"])).sum(-1)
     return dict(
         kl=(pi * (seq_logp - seq_ref)).sum().detach(),
@@ -197,31 +216,35 @@ def eos_references(m):
 
 @pytest.mark.parametrize("T, theta, ref, beta", EOS_CASES)
 def test_variable_lengths_table1(T, theta, ref, beta):
-    """Responses that end with EOS: the "-1" of K3 = r - 1 - log r sums to -T, so K3-in-reward picks up
-    -grad E[T] (zero when every response has the same length): grad KL + E[sum_t r_t grad log pi(y)] - grad E[T].
-    That equals grad KL minus the K3-in-loss gradient (eq. 45 holds as it stands); the other rows of Table 1
-    hold unchanged, and K1 and K3 stay unbiased estimates of the KL."""
+    """Responses that end with EOS: the "-1" of K3 = r - 1 - log r sums to -T, so K3-in-reward picks
+    up -grad E[T] (zero when every response has the same length):
+    grad KL + E[sum_t r_t grad log pi(y)] - grad E[T]. That equals grad KL minus the K3-in-loss
+    gradient (eq. 45 holds as it stands); the other rows of Table 1 hold unchanged, and K1 and K3
+    stay unbiased estimates of the KL."""
     m = toy_with_eos(T, theta, ref)
     refs = eos_references(m)
     grad = lambda kind, place: expected_loss_grad(m, kind, place, beta) / beta  # noqa: E731
     pi = m["logp"].sum(-1).exp().detach()
     for kind in ("k1", "k3"):
-        assert close((pi * (m["mask"] * estimate(m["logp"].detach(), m["ref_logp"], kind)).sum(-1)).sum(),
-                     refs["kl"])
+        assert close(
+            (pi * (m["mask"] * estimate(m["logp"].detach(), m["ref_logp"], kind)).sum(-1)).sum(),
+            refs["kl"])
     assert close(grad("k1", "reward"), refs["true"])
     assert close(grad("k1", "loss"), torch.zeros(3))
     assert close(grad("k3", "loss"), refs["eq41"])
     assert close(grad("k3", "reward"), refs["true"] + refs["eq19"] - refs["length"])
     assert close(grad("k3", "reward"), refs["true"] - refs["eq41"])  # eq. 45
     assert close(grad("k1", "both"), refs["true"]) and close(grad("k3", "both"), refs["true"])
-    # the fixed-length formula misses grad E[T], which is not small here (the stop logit e moves E[T]); with
-    # T = 1 every response has one token (EOS or a bit), E[T] = 1 and the two formulas agree
+    # the fixed-length formula misses grad E[T], which is not small here (the stop logit e moves
+    # E[T]); with T = 1 every response has one token (EOS or a bit), E[T] = 1 and the two
+    # formulas agree
     missed = (grad("k3", "reward") - refs["true"] - refs["eq19"]).abs().max()
     assert missed > 1e-2 if T > 1 else missed < TOL
 
 
 def verl_low_var_kl(logprob, ref_logprob):
-    """verl's `kl_penalty` for "low_var_kl" (core_algos.py at 1dda039), written out as the reference."""
+    """verl's `kl_penalty` for "low_var_kl" (core_algos.py at 1dda039), written out as the
+    reference."""
     kl = ref_logprob - logprob
     kl = torch.clamp(kl, min=-20, max=20)
     ratio = torch.exp(kl)
@@ -230,10 +253,10 @@ def verl_low_var_kl(logprob, ref_logprob):
 
 
 def test_verl_clamp_values_and_gradients_at_the_boundaries():
-    """--kl-clamp verl: K3 equals verl's low_var_kl in value and gradient on both sides of each bound
-    (log r = +-20, K3 = 10), and K1/K2 are never clamped (verl does not clamp them either)."""
-    log_r = torch.tensor([-30.0, -20.5, -20.0, -19.5, -12.0, -11.0, -9.0, 0.0, 1e-3, 2.0, 2.5, 2.52, 2.6,
-                          3.0, 19.5, 20.0, 20.5, 30.0], dtype=f64)
+    """--kl-clamp verl: K3 equals verl's low_var_kl in value and gradient on both sides of each
+    bound (log r = +-20, K3 = 10), and K1/K2 are never clamped (verl does not clamp them either)."""
+    log_r = torch.tensor([-30.0, -20.5, -20.0, -19.5, -12.0, -11.0, -9.0, 0.0, 1e-3, 2.0, 2.5, 2.52,
+                          2.6, 3.0, 19.5, 20.0, 20.5, 30.0], dtype=f64)
     logp = torch.zeros_like(log_r, requires_grad=True)
     ours = estimate(logp, log_r, "k3", clamp="verl")
     (grad,) = torch.autograd.grad(ours.sum(), logp)
@@ -242,21 +265,23 @@ def test_verl_clamp_values_and_gradients_at_the_boundaries():
     (grad_verl,) = torch.autograd.grad(theirs.sum(), logp_verl)
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad, grad_verl, rtol=1e-12, atol=1e-12)
-    # by hand: past K3 = 10 (log r > ~2.53, or log r < -11) the value is 10 and the gradient 0; inside it is
-    # d/d logp (r - 1 - log r) = 1 - r; past |log r| = 20 the value stays 10
+    # by hand: past K3 = 10 (log r > ~2.53, or log r < -11) the value is 10 and the gradient 0;
+    # inside it is d/d logp (r - 1 - log r) = 1 - r; past |log r| = 20 the value stays 10
     assert ours[log_r.abs() >= 12].eq(10).all() and grad[log_r.abs() >= 12].eq(0).all()
     inside = (log_r > -9.5) & (log_r < 2.5)
     torch.testing.assert_close(grad[inside], 1 - log_r[inside].exp())
     # the exact default: no bound at all (pi = 1e-6, pi_ref = 0.1 gives K3 ~ 1e5)
     exact = estimate(torch.tensor([1e-6]).log().double(), torch.tensor([0.1]).log().double(), "k3")
     assert 9.9e4 < exact.item() < 1.0e5
-    assert estimate(torch.tensor([1e-6]).log().double(), torch.tensor([0.1]).log().double(), "k3", "verl") == 10
+    assert estimate(torch.tensor([1e-6]).log().double(), torch.tensor([0.1]).log().double(),
+                    "k3", "verl") == 10
     # K1 and K2 pass through unclamped; the clamp reaches shape_rewards and kl_loss
     for kind in ("k1", "k2"):
         assert torch.equal(estimate(logp, log_r, kind, "verl"), estimate(logp, log_r, kind))
     mask, scores = torch.ones(1, len(log_r), dtype=f64), torch.zeros(1, dtype=f64)
-    assert torch.allclose(shape_rewards(scores, logp[None], log_r[None], mask, "k3", "reward", 1.0, "verl"),
-                          -theirs.sum().detach()[None])
+    assert torch.allclose(
+        shape_rewards(scores, logp[None], log_r[None], mask, "k3", "reward", 1.0, "verl"),
+        -theirs.sum().detach()[None])
     loss = kl_loss(logp[None], log_r[None], mask, "k3", "loss", 1.0, 1, "verl")
     torch.testing.assert_close(torch.autograd.grad(loss, logp)[0], grad_verl)
     with pytest.raises(ValueError, match="none, verl"):
@@ -284,12 +309,14 @@ def test_mask_weights_tokens_and_padding_is_ignored():
                               shape_rewards(scores, logp, ref_logp, mask, kind, "reward", 0.3))
         # a bool mask works like the float one
         as_bool = kl_loss(logp, ref_logp, mask > 0, kind, "loss", 1.0, 7)
-        assert torch.allclose(as_bool, kl_loss(logp, ref_logp, (mask > 0).double(), kind, "loss", 1.0, 7))
+        assert torch.allclose(as_bool,
+                              kl_loss(logp, ref_logp, (mask > 0).double(), kind, "loss", 1.0, 7))
 
 
 def test_places_gradients_and_errors():
     logp = torch.randn(3, 5, dtype=f64).requires_grad_()
-    ref_logp, mask, scores = torch.randn(3, 5, dtype=f64), torch.ones(3, 5, dtype=f64), torch.randn(3, dtype=f64)
+    ref_logp, mask, scores = (torch.randn(3, 5, dtype=f64), torch.ones(3, 5, dtype=f64),
+                              torch.randn(3, dtype=f64))
     for place in PLACES:
         returns = shape_rewards(scores, logp, ref_logp, mask, "k3", place, 0.1)
         assert not returns.requires_grad and returns.shape == (3,)
@@ -311,12 +338,15 @@ def test_places_gradients_and_errors():
 def test_rloo_definition_and_errors():
     returns = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 3.0, 5.0, 7.0])
     groups = returns.reshape(2, 4).tolist()
-    expected = torch.tensor([[R - (sum(group) - R) / (len(group) - 1) for R in group] for group in groups])
+    expected = torch.tensor([[R - (sum(group) - R) / (len(group) - 1) for R in group]
+                             for group in groups])
     assert torch.allclose(rloo(returns, 4), expected.reshape(-1))
-    assert torch.allclose(rloo(returns, 2), torch.tensor([1.0, -1.0, -1.0, 1.0, -1.0, 1.0, -2.0, 2.0]))
+    assert torch.allclose(rloo(returns, 2),
+                          torch.tensor([1.0, -1.0, -1.0, 1.0, -1.0, 1.0, -2.0, 2.0]))
     assert torch.allclose(group_mean(returns, 4)[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]))
     std = (1 / 3) ** 0.5  # unbiased std of (1, 0, 0, 1)
-    assert torch.allclose(group_normalized(returns, 4)[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + 1e-6))
+    assert torch.allclose(group_normalized(returns, 4)[:4],
+                          torch.tensor([0.5, -0.5, -0.5, 0.5]) / (std + 1e-6))
     for bad in (1, 3):
         with pytest.raises(ValueError, match="group_size"):
             rloo(returns, bad)
@@ -324,25 +354,31 @@ def test_rloo_definition_and_errors():
 
 @pytest.mark.parametrize("T, G", [(2, 3), (3, 2), (2, 4)])
 def test_rloo_baseline_adds_no_expected_gradient(T, G):
-    """Enumerate every group of G samples: RLOO's expected gradient is exactly grad E[R - beta K1]."""
+    """Enumerate every group of G samples: RLOO's expected gradient is exactly
+    grad E[R - beta K1]."""
     m = toy(T, (0.4, -0.6), (-0.2, 0.3))
     scores = torch.rand(2**T, dtype=f64, generator=torch.Generator().manual_seed(0))
-    groups = torch.tensor(list(itertools.product(range(2**T), repeat=G))).reshape(-1)  # (2^T)^G groups, flat
+    # (2^T)^G groups, flat
+    groups = torch.tensor(list(itertools.product(range(2**T), repeat=G))).reshape(-1)
     logp, ref_logp = m["logp"][groups], m["ref_logp"][groups]
-    group_prob = logp.sum(-1).reshape(-1, G).sum(-1).exp().detach().repeat_interleave(G)  # prod_i pi(y_i)
+    # prod_i pi(y_i)
+    group_prob = logp.sum(-1).reshape(-1, G).sum(-1).exp().detach().repeat_interleave(G)
     mask = torch.ones_like(logp)
     returns = shape_rewards(scores[groups], logp, ref_logp, mask, "k1", "reward", 0.5)
 
     def grad(advantages):  # num_tokens = G: the loss is the group mean, in expectation over groups
-        loss, _ = policy_loss(logp, logp.detach(), advantages, group_prob[:, None] * mask, num_tokens=G)
+        loss, _ = policy_loss(logp, logp.detach(), advantages, group_prob[:, None] * mask,
+                              num_tokens=G)
         return torch.stack(torch.autograd.grad(loss, (m["a"], m["b"]), retain_graph=True))
 
     pi = m["logp"].sum(-1).exp()
-    grad_reward = torch.stack(torch.autograd.grad((pi * scores).sum(), (m["a"], m["b"]), retain_graph=True))
+    grad_reward = torch.stack(torch.autograd.grad((pi * scores).sum(), (m["a"], m["b"]),
+                                                  retain_graph=True))
     target = -(grad_reward - 0.5 * references(m)["true"])
     assert close(grad(returns), target)  # no baseline
     assert close(grad(rloo(returns, G)), target)  # RLOO: same expected gradient
-    assert close(grad(group_mean(returns, G)), (G - 1) / G * target)  # Dr. GRPO's mean includes R_i itself
+    # Dr. GRPO's mean includes R_i itself
+    assert close(grad(group_mean(returns, G)), (G - 1) / G * target)
 
 
 def test_policy_loss_gradient_and_clipping():
@@ -350,18 +386,21 @@ def test_policy_loss_gradient_and_clipping():
     logits = torch.randn(4, 5, 7, dtype=f64, generator=g).requires_grad_()
     tokens = torch.randint(0, 7, (4, 5), generator=g)
     logp = logits.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
-    mask = torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2, [1.0] * 5, [1.0] * 1 + [0.0] * 4], dtype=f64)
+    mask = torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2, [1.0] * 5, [1.0] * 1 + [0.0] * 4],
+                        dtype=f64)
     adv = torch.randn(4, dtype=f64, generator=g)
     loss, clip_frac = policy_loss(logp, logp.detach(), adv, mask, num_tokens=14)
     # on-policy: grad = -(1/num_tokens) sum_i A_i grad log pi(y_i)
     (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
     (expected,) = torch.autograd.grad(-(adv[:, None] * mask * logp).sum() / 14, logits)
-    assert close(grad, expected) and clip_frac.item() == 0 and close(loss, -(adv[:, None] * mask).sum() / 14)
+    assert (close(grad, expected) and clip_frac.item() == 0
+            and close(loss, -(adv[:, None] * mask).sum() / 14))
     # off-policy: ratios 0.5, 1.1, 1.5 with A = +1 and -1
     logp = torch.log(torch.tensor([[0.5, 1.1, 1.5], [0.5, 1.1, 1.5]], dtype=f64)).requires_grad_()
     adv, ones = torch.tensor([1.0, -1.0], dtype=f64), torch.ones(2, 3, dtype=f64)
     loss, clip_frac = policy_loss(logp, torch.zeros(2, 3, dtype=f64), adv, ones, num_tokens=6)
-    # A > 0: min(w, clip(w)) = 0.5, 1.1, 1.2 (clipped at 1.5);  A < 0: -max(w, clip(w)) = -0.8 (clipped), -1.1, -1.5
+    # A > 0: min(w, clip(w)) = 0.5, 1.1, 1.2 (clipped at 1.5);
+    # A < 0: -max(w, clip(w)) = -0.8 (clipped), -1.1, -1.5
     assert close(loss, -torch.tensor(0.5 + 1.1 + 1.2 - 0.8 - 1.1 - 1.5, dtype=f64) / 6)
     assert close(clip_frac, torch.tensor(2 / 6, dtype=f64)) and not clip_frac.requires_grad
     (grad,) = torch.autograd.grad(loss, logp)
@@ -479,10 +518,12 @@ def test_liu_k2_as_loss_equals_k1_in_reward_for_the_whole_sequence(T, theta, ref
 
 
 def test_truncated_is_loss_by_hand():
-    """prime-rl's -min(w, C) A: gradient -w A / num_tokens per token where w <= C, 0 past the cap."""
+    """prime-rl's -min(w, C) A: gradient -w A / num_tokens per token where w <= C,
+    0 past the cap."""
     g = torch.Generator().manual_seed(2)
     logp = (-3 * torch.rand(3, 5, dtype=f64, generator=g)).requires_grad_()
-    behaviour = logp.detach() + torch.tensor([-3.0, -1.0, 0.0, 1.0, 3.0], dtype=f64)  # w = e^3 ... e^-3
+    # w = e^3 ... e^-3
+    behaviour = logp.detach() + torch.tensor([-3.0, -1.0, 0.0, 1.0, 3.0], dtype=f64)
     advantages, mask = torch.tensor([1.0, -2.0, 0.5], dtype=f64), torch.ones(3, 5, dtype=f64)
     mask[2, 4] = 0
     loss, truncated = truncated_is_loss(logp, behaviour, advantages, mask, num_tokens=7.0, cap=8.0)
@@ -493,13 +534,14 @@ def test_truncated_is_loss_by_hand():
     assert close(truncated, torch.tensor(3 / 7.0, dtype=f64))  # w = e^3 > 8 in each row
 
 
-# ---- the KL as a per-token reward, summed to go (OpenRLHF), and toy.py's enumerators ----------------
+# ---- the KL as a per-token reward, summed to go (OpenRLHF), and toy.py's enumerators -------------
 
 
 @pytest.mark.parametrize("T, theta, ref, beta", CASES)
 def test_kl_to_go_in_the_reward_is_unbiased_with_less_variance(T, theta, ref, beta):
     """Token t's return R - beta sum_{s>=t} sg[K1_s], through the real policy_loss with per-token
-    advantages: its expected gradient is grad KL exactly; here one sequence's gradient varies less."""
+    advantages: its expected gradient is grad KL exactly; here one sequence's gradient varies
+    less."""
     import toy as toy_module
 
     m = toy(T, theta, ref)

@@ -1,5 +1,5 @@
-"""kl_floor.py on a tiny random Llama: fp32 log-probs reach the true log-ratios, bf16 ones do not, and the
-bf16 grid counter is right. (The embedded model's table is in docs/precision.md.)"""
+"""kl_floor.py on a tiny random Llama: fp32 log-probs reach the true log-ratios, bf16 ones do not,
+and the bf16 grid counter is right. (The embedded model's table is in docs/precision.md.)"""
 import copy
 
 import torch
@@ -8,7 +8,8 @@ from kl_floor import bf16_grid, floor_row, fp32_head
 
 
 def tiny_pair(tiny_llama, eps=1e-6):
-    """A tiny Llama with logits of real models' size (~20-30) and a copy moved by +-eps per weight."""
+    """A tiny Llama with logits of real models' size (~20-30) and a copy moved by +-eps per
+    weight."""
     reference = tiny_llama(128, num_attention_heads=4, num_key_value_heads=2)
     with torch.no_grad():
         reference.lm_head.weight.mul_(60.0)
@@ -24,8 +25,8 @@ def test_fp32_reaches_the_truth_and_bf16_does_not(tiny_llama):
     prompts = [[5, 9, 2, 7], [5, 9, 2, 7], [3, 4]]
     responses = torch.randint(0, 128, (3, 40), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(3, 40)
-    truth = floor_row(copy.deepcopy(policy).double(), copy.deepcopy(reference).double(), prompts, responses,
-                      mask, torch.float32)
+    truth = floor_row(copy.deepcopy(policy).double(), copy.deepcopy(reference).double(),
+                      prompts, responses, mask, torch.float32)
     fp32 = floor_row(policy, reference, prompts, responses, mask, torch.float32)
     bf16 = floor_row(policy, reference, prompts, responses, mask, torch.bfloat16)
     assert abs(fp32[0] - truth[0]) < 0.1 * truth[0] and abs(fp32[1] - truth[1]) < 1e-4
@@ -33,7 +34,8 @@ def test_fp32_reaches_the_truth_and_bf16_does_not(tiny_llama):
     with fp32_head(policy), fp32_head(reference):
         head32 = floor_row(policy, reference, prompts, responses, mask, torch.bfloat16)
     assert head32[0] > 10 * truth[0]  # an fp32 head alone does not remove the floor
-    assert floor_row(policy, reference, prompts, responses, mask, torch.bfloat16) == bf16  # head restored
+    # head restored
+    assert floor_row(policy, reference, prompts, responses, mask, torch.bfloat16) == bf16
 
 
 def test_bf16_grid_counts_exact_weights_and_ties():

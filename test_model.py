@@ -168,8 +168,8 @@ def test_no_end_token_anywhere_is_a_one_line_error(smollm2_tokenizer):
     ("<|im_end|>", ENDOFTEXT, "<|endoftext|>", True),  # the other way round
     ("<|endoftext|>", CHATML, "<|im_end|>", False),   # plain "Question/Answer" prompts
 ], ids=["eos-endoftext", "eos-im_end", "no-chat-template"])
-def test_generation_stops_at_the_end_of_turn_not_at_eos(smollm2_tokenizer, chain_llama, eos, template,
-                                                         end_of_turn, chat_template):
+def test_generation_stops_at_the_end_of_turn_not_at_eos(smollm2_tokenizer, chain_llama, eos,
+                                                         template, end_of_turn, chat_template):
     """A model whose EOS (tokenizer and generation config) is one token while its template ends
     turns with another writes `\\boxed B<end of turn><|im_start|>user<EOS>`: eval.evaluate must stop
     at the end of turn, so the completion holds no invented turn (with EOS-only stop ids it reads

@@ -1,4 +1,5 @@
-"""Tests of reward.py: real MATH500 answers, MATH-style equivalences, hostile completions, countdown, choices."""
+"""Tests of reward.py: real MATH500 answers, MATH-style equivalences, hostile completions,
+countdown, choices."""
 import json
 import threading
 import time
@@ -20,7 +21,7 @@ def math500_answers():
     return [json.loads(line)["answer"] for line in path.open()]
 
 
-# ---- extract_boxed ---------------------------------------------------------------------------------
+# ---- extract_boxed -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("text, expected", [
     (r"so \boxed{5}.", "5"),
@@ -42,7 +43,7 @@ def test_extract_boxed(text, expected):
     assert extract_boxed(text) == expected
 
 
-# ---- math_reward on real MATH500 answers -----------------------------------------------------------
+# ---- math_reward on real MATH500 answers ---------------------------------------------------------
 
 def test_math500_gold_answers_are_correct_and_other_rows_are_not():
     answers = math500_answers()
@@ -61,13 +62,16 @@ def test_math500_gold_answers_are_correct_and_other_rows_are_not():
     print(f"\n1,000 MATH500 checks in {time.monotonic() - start:.1f} s")
 
 
-# ---- MATH-style equivalences (gold, prediction) -----------------------------------------------------
+# ---- MATH-style equivalences (gold, prediction) --------------------------------------------------
 
 EQUIVALENT = [
-    (r"\frac{1}{2}", "0.5"), (r"\dfrac{1}{2}", r"\frac12"), (r"\frac{3}{4}", "3/4"), (r"\frac{7}{2}", "3.5"),
-    ("0.25", r"\frac{1}{4}"), ("10^{-3}", "0.001"), ("5", "5.0"), (r"-\frac{1}{3}", r"\frac{-1}{3}"),
+    (r"\frac{1}{2}", "0.5"), (r"\dfrac{1}{2}", r"\frac12"), (r"\frac{3}{4}", "3/4"),
+    (r"\frac{7}{2}", "3.5"),
+    ("0.25", r"\frac{1}{4}"), ("10^{-3}", "0.001"), ("5", "5.0"),
+    (r"-\frac{1}{3}", r"\frac{-1}{3}"),
     ("3", "x = 3"), ("x=3", "3"), ("y = 2x + 3", "2x+3"), ("y=2x+3", "y = 3 + 2x"),
-    (r"50\%", "50"), ("50", r"50\%"), (r"30^\circ", "30"), ("30", r"30^{\circ}"), (r"90^\circ", "90"),
+    (r"50\%", "50"), ("50", r"50\%"), (r"30^\circ", "30"), ("30", r"30^{\circ}"),
+    (r"90^\circ", "90"),
     (r"10\text{ cm}", "10"), ("10", r"10 \text{ cm}"), (r"\$18.90", "18.90"), ("18.90", r"\$18.90"),
     ("1000", "1,000"), ("1,000", "1000"),
     ("(1, 2)", "(1,2)"), (r"\left( 3, \frac{\pi}{2} \right)", r"(3,\frac{\pi}{2})"),
@@ -80,9 +84,12 @@ EQUIVALENT = [
     (r"\text{Monday}", "Monday"), (r"\text{(C)}", "C"),
 ]
 NOT_EQUIVALENT = [
-    (r"\frac12", "0.51"), ("3", "4"), ("-5", "5"), ("1000", "100"), ("12", "1,2"), (r"\frac{1}{3}", "0.33"),
-    (r"\sqrt{2}", "1.41"), (r"2\pi", "6.28"), (r"\pi", "3.14"), (r"\sqrt{3}", "3"), (r"3\sqrt{2}", r"2\sqrt{3}"),
-    ("(1,2)", "(2,1)"), ("[1,2]", "(1,2)"), (r"(-\infty, 3]", r"(-\infty, 3)"), (r"\{1,2\}", r"\{1,2,3\}"),
+    (r"\frac12", "0.51"), ("3", "4"), ("-5", "5"), ("1000", "100"), ("12", "1,2"),
+    (r"\frac{1}{3}", "0.33"),
+    (r"\sqrt{2}", "1.41"), (r"2\pi", "6.28"), (r"\pi", "3.14"), (r"\sqrt{3}", "3"),
+    (r"3\sqrt{2}", r"2\sqrt{3}"),
+    ("(1,2)", "(2,1)"), ("[1,2]", "(1,2)"), (r"(-\infty, 3]", r"(-\infty, 3)"),
+    (r"\{1,2\}", r"\{1,2,3\}"),
     ("2, 3", "2"), ("2,3", "2, 3, 4"), ("x^2", "x^3"), ("x=3", "x=4"), ("y=2x+3", "y=3x+2"),
     (r"\begin{pmatrix} 1 \\ 2 \end{pmatrix}", r"\begin{pmatrix}2\\1\end{pmatrix}"),
     (r"\frac{\pi}{2}", r"\frac{\pi}{3}"), (r"\infty", r"-\infty"), ("0", r"\emptyset"),
@@ -92,8 +99,10 @@ NOT_EQUIVALENT = [
 
 def test_equivalence_pairs():
     assert len(EQUIVALENT) + len(NOT_EQUIVALENT) >= 40
-    judged_wrong = [(gold, pred) for gold, pred in EQUIVALENT if math_reward(f"\\boxed{{{pred}}}", gold) != 1.0]
-    judged_wrong += [(gold, pred) for gold, pred in NOT_EQUIVALENT if math_reward(f"\\boxed{{{pred}}}", gold) != 0.0]
+    judged_wrong = [(gold, pred) for gold, pred in EQUIVALENT
+                    if math_reward(f"\\boxed{{{pred}}}", gold) != 1.0]
+    judged_wrong += [(gold, pred) for gold, pred in NOT_EQUIVALENT
+                     if math_reward(f"\\boxed{{{pred}}}", gold) != 0.0]
     assert judged_wrong == []
 
 
@@ -103,23 +112,27 @@ def test_math_reward_needs_a_box():
     assert math_reward(r"\boxed{5} no wait, \boxed{4}", "5") == 0.0
 
 
-# ---- hostile completions: 0.0, quickly, nothing executed -------------------------------------------
+# ---- hostile completions: 0.0, quickly, nothing executed -----------------------------------------
 
 HOSTILE = [
-    None, 12345, "x" * 1_000_000, r"\boxed{" * 20_000, "{" * 20_000, r"\boxed{" + "{" * 20_000 + "5",
-    r"\boxed{\frac{1}{0}}", r"\boxed{10^{10^{10}}}", r"\boxed{9^{9^{9^{9}}}}", r"\boxed{(10^{10})!}",
+    None, 12345, "x" * 1_000_000, r"\boxed{" * 20_000, "{" * 20_000,
+    r"\boxed{" + "{" * 20_000 + "5",
+    r"\boxed{\frac{1}{0}}", r"\boxed{10^{10^{10}}}", r"\boxed{9^{9^{9^{9}}}}",
+    r"\boxed{(10^{10})!}",
     r"\boxed{__import__('os').system('touch /tmp/pwned_reward')}", "\\boxed{" + "1" * 100_000 + "}",
     r"\boxed{" + "(" * 300 + "1" + ")" * 300 + "}", r"\boxed{" + "(" * 150 + "1" + ")" * 150 + "}",
     "\\boxed{\x00\udcff}", "<answer>" * 100_000, "<answer>1</answer>" * 50_000,
 ]
-BOUND_S = reward.WALL_TIMEOUT_S + 5  # generous: a hang check; the CPU budget is reward.TIMEOUT_S (1 s)
+# generous: a hang check; the CPU budget is reward.TIMEOUT_S (1 s)
+BOUND_S = reward.WALL_TIMEOUT_S + 5
 
 
 def check_hostile(reward_fn):
     for text in HOSTILE:
         start = time.monotonic()
         assert reward_fn(text) == 0.0, repr(text)[:80]
-        assert time.monotonic() - start < BOUND_S, f"{repr(text)[:80]} took {time.monotonic() - start:.1f} s"
+        assert time.monotonic() - start < BOUND_S, (
+            f"{repr(text)[:80]} took {time.monotonic() - start:.1f} s")
 
 
 def test_hostile_math():
@@ -150,11 +163,13 @@ def test_hostile_choice_and_countdown():
     assert math_reward(r"\boxed{5}", None) == 0.0
 
 
-# ---- multiple choice -------------------------------------------------------------------------------
+# ---- multiple choice -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("completion, score", [
-    (r"\boxed{B}", 1.0), (r"\boxed{(B)}", 1.0), (r"\boxed{\text{B}}", 1.0), (r"\boxed{\textbf{(B)}}", 1.0),
-    (r"\boxed{B) 550 nm}", 1.0), (r"\boxed{ B. 550 nm }", 1.0), (r"\boxed{A} hmm, no: \boxed{B}", 1.0),
+    (r"\boxed{B}", 1.0), (r"\boxed{(B)}", 1.0), (r"\boxed{\text{B}}", 1.0),
+    (r"\boxed{\textbf{(B)}}", 1.0),
+    (r"\boxed{B) 550 nm}", 1.0), (r"\boxed{ B. 550 nm }", 1.0),
+    (r"\boxed{A} hmm, no: \boxed{B}", 1.0),
     (r"\boxed{A}", 0.0), (r"\boxed{BC}", 0.0), (r"\boxed{550 nm}", 0.0), ("The answer is B.", 0.0),
     (r"\boxed{b}", 0.0), (r"\boxed{B} hmm, no: \boxed{C}", 0.0),
 ])
@@ -163,7 +178,7 @@ def test_choice_reward(completion, score):
     assert choice_reward(completion, 1) == score  # an index is the same letter
 
 
-# ---- countdown -------------------------------------------------------------------------------------
+# ---- countdown -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("completion, score", [
     ("<answer>(25 - 5) * 3 + 4</answer>", 1.0),

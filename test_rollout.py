@@ -1,5 +1,6 @@
-"""rollout.generate against Hugging Face: its generate() for greedy tokens, its full forward pass for
-log-probs, on tiny random models of each family (CPU, fp32) and on SmolLM2-135M when installed."""
+"""rollout.generate against Hugging Face: its generate() for greedy tokens, its full forward pass
+for log-probs, on tiny random models of each family (CPU, fp32) and on SmolLM2-135M when
+installed."""
 import importlib.util
 import json
 import sys
@@ -19,7 +20,8 @@ from transformers import (
 from rollout import generate
 
 VOCAB = 96
-SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4)
 # mixed lengths, and the first prompt twice so the shared prefill is exercised
 PROMPTS = [[5, 17, 33], list(range(1, 20)), [7], [5, 17, 33], [40, 41, 42, 43, 44, 45, 2]]
 
@@ -32,9 +34,11 @@ def tiny_model(family):
         model = LlamaForCausalLM(LlamaConfig(**SIZES, num_key_value_heads=2, rope_parameters=rope,
                                              max_position_embeddings=256, tie_word_embeddings=True))
     elif family == "qwen2":  # q/k/v biases, untied lm_head
-        model = Qwen2ForCausalLM(Qwen2Config(**SIZES, num_key_value_heads=2, tie_word_embeddings=False))
+        model = Qwen2ForCausalLM(Qwen2Config(**SIZES, num_key_value_heads=2,
+                                             tie_word_embeddings=False))
     else:  # q/k norms, head_dim != hidden / heads, multi-query, tied lm_head
-        model = Qwen3ForCausalLM(Qwen3Config(**SIZES, num_key_value_heads=1, head_dim=24, tie_word_embeddings=True))
+        model = Qwen3ForCausalLM(Qwen3Config(**SIZES, num_key_value_heads=1, head_dim=24,
+                                             tie_word_embeddings=True))
     # HF initializes biases to 0 and norm weights to 1; make them random so they are actually tested
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -57,7 +61,8 @@ def model(request):
 
 
 def hf_greedy(model, prompt, max_new_tokens, eos_token_id=None):
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    out = model.generate(torch.tensor([prompt]),
+                         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                          max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
                          pad_token_id=0)
     return out[0, len(prompt):].tolist()
@@ -95,7 +100,8 @@ def test_greedy_equals_hf_generate(model):
     for row, prompt in enumerate(PROMPTS):
         assert out.response_ids[row] == hf_greedy(model, prompt, 24)
     assert out.tokens.shape == (len(PROMPTS), 24) and out.response_mask.all()
-    assert out.token_logprobs.dtype == torch.float32 and (out.token_logprobs == 0).all()  # point mass
+    # point mass
+    assert out.token_logprobs.dtype == torch.float32 and (out.token_logprobs == 0).all()
 
 
 def test_batch_equals_each_prompt_alone(model):
@@ -108,7 +114,8 @@ def test_batch_equals_each_prompt_alone(model):
 def test_length_buckets_with_many_prompts(model):
     """More distinct prompts than rollout.BUCKETS, in shuffled lengths, some repeated: each prefill
     bucket pads several prompts to its longest, rows are reordered longest first, attention runs per
-    bucket, and rows finish at different steps; every row still equals the model's own computation."""
+    bucket, and rows finish at different steps; every row still equals the model's own
+    computation."""
     generator = torch.Generator().manual_seed(0)
     lengths = [9, 1, 23, 4, 15, 2, 30, 7, 12, 5]
     prompts = [torch.randint(5, VOCAB, (n,), generator=generator).tolist() for n in lengths]
@@ -119,7 +126,8 @@ def test_length_buckets_with_many_prompts(model):
     eos = [token for row in greedy.response_ids for token in row[3:5]]  # tokens the rows do produce
     sampled = generate(model, prompts, max_new_tokens=10, temperature=1.0, eos_token_id=eos,
                        generator=torch.Generator().manual_seed(1))
-    assert len(set(map(len, sampled.response_ids))) > 2, "the test needs rows that stop at different steps"
+    assert len(set(map(len, sampled.response_ids))) > 2, (
+        "the test needs rows that stop at different steps")
     for row, prompt in enumerate(prompts):
         logp, response = reference_logprobs(model, prompt, sampled.response_ids[row])
         expected = logp.gather(-1, response[:, None])[:, 0]
@@ -149,7 +157,8 @@ def test_top_p_stays_in_nucleus_with_renormalized_logprobs(model, top_p):
 
 
 def test_samples_follow_the_reported_distribution():
-    """4000 first tokens of one prompt: empirical frequencies vs the nucleus distribution (seeded)."""
+    """4000 first tokens of one prompt: empirical frequencies vs the nucleus distribution
+    (seeded)."""
     model = tiny_model("qwen2")
     prompt, num = [3, 1, 4, 1, 5], 4000
     out = generate(model, [prompt] * num, max_new_tokens=1, temperature=1.3, top_p=0.9,
@@ -184,7 +193,8 @@ def test_sampled_eos_and_max_new_tokens(model):
     """Each row's samples depend only on the seed and its row: with EOS on, a row is its EOS-free
     sample cut after the first EOS, however the other rows finish."""
     def run(eos_token_id):
-        return generate(model, PROMPTS * 4, max_new_tokens=14, temperature=1.0, eos_token_id=eos_token_id,
+        return generate(model, PROMPTS * 4, max_new_tokens=14, temperature=1.0,
+                        eos_token_id=eos_token_id,
                         generator=torch.Generator().manual_seed(3))
     free = run(None)
     assert free.tokens.shape == (len(PROMPTS) * 4, 14) and free.response_mask.all()
@@ -202,14 +212,17 @@ def test_sampled_eos_and_max_new_tokens(model):
 
 
 def test_sampled_row_does_not_depend_on_the_rest_of_the_batch(model):
-    alone = generate(model, PROMPTS[1:2], 10, temperature=1.0, generator=torch.Generator().manual_seed(5))
-    batch = generate(model, PROMPTS[1:], 10, temperature=1.0, generator=torch.Generator().manual_seed(5))
+    alone = generate(model, PROMPTS[1:2], 10, temperature=1.0,
+                     generator=torch.Generator().manual_seed(5))
+    batch = generate(model, PROMPTS[1:], 10, temperature=1.0,
+                     generator=torch.Generator().manual_seed(5))
     assert batch.response_ids[0] == alone.response_ids[0]
 
 
 def test_same_seed_same_samples(model):
     def run(seed):
-        return generate(model, PROMPTS, max_new_tokens=10, temperature=1.0, top_p=0.95, eos_token_id=3,
+        return generate(model, PROMPTS, max_new_tokens=10, temperature=1.0, top_p=0.95,
+                        eos_token_id=3,
                         generator=torch.Generator().manual_seed(seed))
     a, b, c = run(7), run(7), run(8)
     assert a.response_ids == b.response_ids and torch.equal(a.token_logprobs, b.token_logprobs)
@@ -226,19 +239,21 @@ def test_bad_input_raises():
 
 
 def test_a_flash_attn_that_does_not_import_is_reported_once(tmp_path, monkeypatch):
-    """A flash-attn wheel built for another torch is found by find_spec but fails on import: the probe says so
-    in one line (before any model loads), and generate still runs, on SDPA."""
+    """A flash-attn wheel built for another torch is found by find_spec but fails on import: the
+    probe says so in one line (before any model loads), and generate still runs, on SDPA."""
     import rollout
 
     broken = tmp_path / "flash_attn"
     broken.mkdir()
-    (broken / "__init__.py").write_text("raise ImportError('undefined symbol: _ZN3c104cuda9SetDevice')\n")
+    (broken / "__init__.py").write_text(
+        "raise ImportError('undefined symbol: _ZN3c104cuda9SetDevice')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
     rollout.flash_attn_status.cache_clear()
     try:
         usable, reason = rollout.flash_attn_status()
-        assert not usable and "installed but does not import (undefined symbol" in reason and "\n" not in reason
+        assert (not usable and "installed but does not import (undefined symbol" in reason
+                and "\n" not in reason)
         out = generate(tiny_model("llama3"), [[1, 2, 3]], max_new_tokens=4, temperature=0)
         assert out.tokens.shape == (1, 4)
     finally:
@@ -258,7 +273,8 @@ def smollm2(smollm2_tokenizer):
         questions.append(json.loads((DATA / "math500.jsonl").open().readline())["problem"])
     prompts = []
     for question in questions:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+        text = tokenizer.apply_chat_template([{"role": "user", "content": question}],
+                                             tokenize=False,
                                              add_generation_prompt=True)
         prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return load_model("smollm2-135m"), prompts, tokenizer.eos_token_id
@@ -278,12 +294,13 @@ def test_smollm2_greedy_and_logprobs(smollm2):
 
 
 def test_smollm2_bf16_runs(smollm2):
-    """Our bf16 sampler against the fp32 model's full forward pass of the same tokens. bf16 rounding differs
-    across CPUs (AVX512-BF16 vs AVX2, where bf16 is emulated) and moves single rare tokens by up to ~0.3, so no
-    per-token bound holds everywhere. Measured over 3 seeds x 3 prompts x 16 tokens: mean |difference| 0.022-0.044
-    and 90th percentile 0.06-0.09 on both kinds of CPU (AVX512-BF16, and ATEN_CPU_CAPABILITY=avx2
-    ONEDNN_MAX_CPU_ISA=AVX2); positions off by one give a mean of 0.26-0.51 and a 90th percentile of 0.65-0.91,
-    a temperature off by 10% 0.16-0.19 and 0.29-0.43. The bounds sit in between."""
+    """Our bf16 sampler against the fp32 model's full forward pass of the same tokens. bf16 rounding
+    differs across CPUs (AVX512-BF16 vs AVX2, where bf16 is emulated) and moves single rare tokens
+    by up to ~0.3, so no per-token bound holds everywhere. Measured over 3 seeds x 3 prompts x 16
+    tokens: mean |difference| 0.022-0.044 and 90th percentile 0.06-0.09 on both kinds of CPU
+    (AVX512-BF16, and ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2); positions off by one give a
+    mean of 0.26-0.51 and a 90th percentile of 0.65-0.91, a temperature off by 10% 0.16-0.19 and
+    0.29-0.43. The bounds sit in between."""
     from model import load_model
 
     fp32_model, prompts, eos = smollm2

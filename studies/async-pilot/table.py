@@ -1,5 +1,6 @@
 """The pilot's table from each run's metrics.jsonl: held-out Pass@1 at each evaluation, and the last
-5 steps' train reward, KL to the reference, behaviour KL (sampler vs current policy) and ratio.
+5 steps' train reward, KL to the reference, behaviour KL (sampler vs current policy) and ratio;
+a directory with only an eval.json (the base model) gives its accuracy.
 
     cd studies/async-pilot && python table.py */
 """
@@ -19,6 +20,11 @@ print("| run | lr | held-out Pass@1 at steps 5 / 10 / 15 / 20 | train reward, la
 print("|---|---|---|---|---|---|---|---|")
 for run in sys.argv[1:]:
     run = pathlib.Path(run)
+    if not (run / "metrics.jsonl").exists():  # the base model: eval.py's mean@8 on the same problems
+        result = json.loads((run / "eval.json").read_text())["arith"]
+        print(f"| {run.name} (eval.py, mean@{result['samples']}) | | "
+              f"{result['accuracy']:.2f} ± {result['stderr']:.2f} | | | | | |")
+        continue
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
     config = json.loads((run / "config.json").read_text())
     evals = " / ".join(f"{row['eval/arith/accuracy']:.2f}" for row in rows

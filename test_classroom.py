@@ -121,9 +121,10 @@ def bug_rounds():
 def test_every_known_bug_loses_points(solved, tmp_path, bugs):
     work = tmp_path / "buggy"
     shutil.copytree(solved, work)
-    for _, _, file, function, source in bugs:
-        path = work / file
-        path.write_text(handout.replace_function(path.read_text(), function, source))
+    for exercise, name, file, solution, buggy in bugs:
+        text = (work / file).read_text()
+        assert text.count(solution) == 1, f"{exercise} '{name}' no longer matches {file}"
+        (work / file).write_text(text.replace(solution, buggy))
     scores, _, stdout = grade(work, *sorted({b[0] for b in bugs}))
     for exercise, name, *_ in bugs:
         score, most = scores[exercise]

@@ -162,9 +162,14 @@ def kl_gradient_moments(T, to_go, theta=THETA, ref=REF):
     c = y.cumsum(-1) - y
     score = (y - torch.sigmoid(logits))[..., None] * torch.stack([torch.ones_like(c), c], -1)
     g = (k1[..., None] * score).sum(1)  # (2^T, 2): sum_t K1(t) grad log pi(y_t | y<t)
-    pi = logp.sum(-1).exp()
-    mean = (pi[:, None] * g).sum(0)
-    return mean, (pi[:, None] * (g - mean) ** 2).sum().item()
+    return moments(g, logp.sum(-1).exp())
+
+
+def moments(g, p):
+    """(mean (2,), variance = trace of the covariance) of one sample's gradient g (2^T, 2) when
+    sequence i is drawn with probability p_i."""
+    mean = (p[:, None] * g).sum(0)
+    return mean, (p[:, None] * (g - mean) ** 2).sum().item()
 
 
 def converge(T, steps, beta=BETA, lr=LR):
@@ -229,9 +234,8 @@ def off_policy_variance(T, drifts):
             loss = off_policy_kl_loss(logp[i:i + 1], mu_logp[i:i + 1], ref_logp[i:i + 1],
                                       torch.ones(1, T, dtype=f64), 1.0, 1)
             grads.append(torch.stack(torch.autograd.grad(loss, (a, b), retain_graph=True)))
-        g, mu = torch.stack(grads), mu_logp.sum(-1).exp()
-        mean = (mu[:, None] * g).sum(0)
-        variance = (mu[:, None] * (g - mean) ** 2).sum().item()
+        mu = mu_logp.sum(-1).exp()
+        mean, variance = moments(torch.stack(grads), mu)
         w = (logp.detach() - mu_logp).sum(-1).exp()
         rows.append({"drift": drift, "bias": (mean - true).abs().max().item(), "variance": variance,
                      "second_moment_w": (mu * w**2).sum().item()})

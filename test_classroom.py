@@ -1,40 +1,65 @@
-"""The classroom package kept in sync with the code (classroom/README.md): a handout builds and
-passes its leak check; blank, it scores 0 with every failure naming its own exercise; the
-solution scores full marks at the public seed and a hidden one; every known-bug variant of
-classroom/bugs.py loses points, and so does a lookup of the public cases' answers; the manifest
-and the code agree."""
+"""The classroom package kept honest (classroom/README.md): a handout builds and passes its leak
+check; blank, it scores 0 with every failure naming its own exercise; the solution scores full marks
+at the public seed and a hidden one; every known-bug variant of classroom/bugs.py loses points, and
+so does a lookup of the public cases' answers. Each exploit a student could try is kept here as a
+submission and earns nothing at a hidden seed: rewriting the results, importing the grader's
+references, reading expected values from the messages, adapting E3 from toy.py's other functions,
+hand-written E8 files, a case that never returns. A syntax error costs only its exercises, a
+partial upload is graded, nothing is left in the temporary directory, and the Gradescope autograder
+zip runs end to end on a fake /autograder tree."""
 import ast
+import dataclasses
 import json
+import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
+import zipfile
 
 import pytest
 
 from classroom import handout
 from classroom.bugs import BUGS
-from classroom.manifest import EXERCISES
+from classroom.manifest import BY_ID, EXERCISES
 
 ROOT = pathlib.Path(__file__).parent
 SOLUTION_FILES = sorted({file for e in EXERCISES for file, _ in e.functions})
 STUDY = ROOT / "studies" / "cpu-small"
+SECRET = 11  # the hidden seed of these tests
 
 
-def grade(cwd, *args):
+def grade(cwd, *args, env=None):
     """`python -m classroom grade ARGS` in cwd -> ({exercise: (score, max)}, tests, stdout)."""
     out = pathlib.Path(tempfile.mkdtemp()) / "results.json"  # never in the repository
     proc = subprocess.run([sys.executable, "-m", "classroom", "grade", *args, "--json", str(out)],
-                          cwd=cwd, capture_output=True, text=True)
+                          cwd=cwd, capture_output=True, text=True, env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    tests = json.loads(out.read_text())["tests"]
+    return scores_of(out) + (proc.stdout,)
+
+
+def scores_of(results):
+    tests = json.loads(results.read_text())["tests"]
     scores = {}
     for t in tests:
         exercise = t["name"].split()[0]
         score, most = scores.get(exercise, (0.0, 0.0))
         scores[exercise] = (score + t["score"], most + t["max_score"])
-    return scores, tests, proc.stdout
+    return scores, tests
+
+
+def hidden(submission, *exercises):
+    """The hidden grade of `submission` for the assignment `exercises`."""
+    return grade(ROOT, "--hidden", "--seed", str(SECRET), "--submission", str(submission),
+                 "--assignment", ",".join(exercises))
+
+
+def full(scores, exercise):
+    score, most = scores[exercise]
+    return most > 0 and abs(score - most) < 1e-9
 
 
 @pytest.fixture(scope="module")
@@ -43,14 +68,8 @@ def blank(tmp_path_factory):
                         [e.id for e in EXERCISES])
 
 
-@pytest.fixture(scope="module")
-def solved(blank, tmp_path_factory):
-    """The blank handout with the solution's files and an experiment of real runs (the CPU
-    study's K1-in-reward and K1-in-loss at beta = 1) put back."""
-    out = tmp_path_factory.mktemp("classroom") / "solved"
-    shutil.copytree(blank, out)
-    for file in SOLUTION_FILES:
-        shutil.copyfile(ROOT / file, out / file)
+def write_experiment(out):
+    """The CPU study's K1-in-reward and K1-in-loss runs at beta = 1, their plot and an answer."""
     experiment = out / "experiment"
     for run, study in (("k1-reward", "k1-reward-1"), ("k1-loss", "k1-loss-1")):
         (experiment / run).mkdir(parents=True)
@@ -62,21 +81,50 @@ def solved(blank, tmp_path_factory):
         "K1 in the reward stays closer to the reference: by Table 1 its expected gradient is the "
         "gradient of the sequence-level reverse KL, while K1 in the loss has zero expected "
         "gradient, so at beta = 1 it regularizes nothing and drifts as far as no KL at all.\n")
+
+
+@pytest.fixture(scope="module")
+def solved(blank, tmp_path_factory):
+    """The blank handout with the solution's files and an experiment of real runs put back."""
+    out = tmp_path_factory.mktemp("classroom") / "solved"
+    shutil.copytree(blank, out)
+    for file in SOLUTION_FILES:
+        shutil.copyfile(ROOT / file, out / file)
+    write_experiment(out)
     return out
+
+
+def submission(tmp_path, solved, **files):
+    """A copy of the solved handout with some files replaced (name -> text; None deletes)."""
+    work = tmp_path / "submission"
+    shutil.copytree(solved, work)
+    for name, text in files.items():
+        path = work / name.replace("__", "/")
+        if text is None:
+            path.unlink() if path.is_file() else shutil.rmtree(path)
+        else:
+            path.write_text(text)
+    return work
 
 
 def test_handout_is_a_clean_copy(blank):
     names = {str(p.relative_to(blank)) for p in blank.rglob("*") if ".git" not in p.parts}
-    assert "train.py" in names and "classroom/tests/test_e1_estimate.py" in names
+    assert "train.py" in names and "classroom/checks/e1_estimate.py" in names
     assert not [n for n in names if n.startswith(("test_", "studies", "assets", "docs"))]
-    assert not {"classroom/bugs.py", "classroom/handout.py", "classroom/README.md"} & names
-    assert "### E8." in (blank / "README.md").read_text()
+    assert not {"classroom/bugs.py", "classroom/handout.py", "classroom/README.md",
+                "classroom/autograder.py"} & names
+    readme = (blank / "README.md").read_text()
+    assert "### E8." in readme and "## What to submit" in readme and "`kl.py`" in readme
     log = subprocess.run(["git", "log", "--oneline"], cwd=blank, capture_output=True, text=True)
     assert len(log.stdout.splitlines()) == 1  # a fresh history
     source = (blank / "kl.py").read_text()
     assert 'raise NotImplementedError("E1: ' in source and "expm1" not in source
     with pytest.raises(SystemExit, match="not empty"):
         handout.make(blank, ["E1"])
+    proc = subprocess.run([sys.executable, "-m", "classroom", "handout", "../again"], cwd=blank,
+                          capture_output=True, text=True)
+    assert proc.returncode != 0 and "instructor's repository" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_leak_check_refuses(tmp_path, monkeypatch):
@@ -90,22 +138,67 @@ def test_leak_check_refuses(tmp_path, monkeypatch):
     assert not (tmp_path / "leaky").exists()
 
 
+def adapt_converge(toy_source):
+    """The E3 exploit: toy.expected_gradient made of the lines of toy.converge (its pi(y) weight
+    and its call of training_loss), if the handout still has them; else the blank function."""
+    weight = re.search(r"^ *weight = logp\.sum\(-1, keepdim=True\)\.exp\(\)\.detach\(\)", toy_source,
+                       re.M)
+    call = re.search(r"^ *loss = training_loss\(logp, ref_logp, reward, kind, place, beta, weight, "
+                     r"num_tokens=1\)", toy_source, re.M)
+    if not (weight and call):
+        return toy_source
+    body = f'''
+def expected_gradient(kind, place, T, theta=THETA, ref=REF):
+    y, _ = all_sequences(T)
+    a, b = (torch.tensor(v, dtype=f64, requires_grad=True) for v in theta)
+    logp = bernoulli_logp(toy_logits(a, b, y), y)
+    ref_logp = bernoulli_logp(toy_logits(*ref, y), y)
+    {weight.group().strip()}
+    reward, beta = torch.zeros(len(y), dtype=f64), 1.0
+    {call.group().strip()}
+    return torch.stack(torch.autograd.grad(loss, (a, b)))
+'''
+    return handout.replace_function(toy_source, "expected_gradient", body)
+
+
+def test_e3_is_not_given_away_by_the_rest_of_toy_py(blank, tmp_path, monkeypatch):
+    """toy.converge held E3's answer: it is withheld, the adapted exploit scores nothing, and the
+    leak check refuses a handout that keeps it."""
+    toy = (blank / "toy.py").read_text()
+    assert "withheld from this handout" in toy
+    work = tmp_path / "e3"
+    shutil.copytree(blank, work)
+    (work / "toy.py").write_text(adapt_converge(toy))
+    scores, _, _ = hidden(work, "E3")
+    assert scores["E3"][0] == 0
+    monkeypatch.setitem(BY_ID, "E3", dataclasses.replace(BY_ID["E3"], withheld=()))
+    with pytest.raises(SystemExit, match="leak check"):
+        handout.make(tmp_path / "keeps-converge", ["E3"], git=False)
+
+
 def test_blank_handout_scores_zero_and_names_each_exercise(blank):
     scores, tests, stdout = grade(blank)
     assert set(scores) == {e.id for e in EXERCISES}
     assert all(score == 0 for score, _ in scores.values())
     for t in tests:
         exercise = t["name"].split()[0]
-        assert f"{exercise}:" in t["output"], t  # NotImplementedError("E3: ...") or "E8: no ..."
+        if t["max_score"]:
+            assert f"{exercise}:" in t["output"], t  # NotImplementedError("E3: ...") or "E8: no"
     assert "PUBLIC tests only" in stdout
+    assert not (blank / ".matplotlib").exists()
 
 
-@pytest.mark.parametrize("hidden", [False, True])
-def test_solution_scores_full_marks(solved, hidden):
-    args = ["--hidden", "--seed", "1", "--submission", str(solved)] if hidden else []
-    scores, _, stdout = grade(ROOT if hidden else solved, *args)
-    assert all(abs(score - most) < 1e-6 for score, most in scores.values()), stdout
-    assert len(scores) == len(EXERCISES)
+@pytest.mark.parametrize("mode", ["public", "hidden"])
+def test_solution_scores_full_marks(solved, mode):
+    if mode == "hidden":
+        scores, tests, stdout = hidden(solved, *BY_ID)
+    else:
+        scores, tests, stdout = grade(solved)
+    assert all(full(scores, e) for e in BY_ID), stdout
+    totals = re.search(r"total\s+([\d.]+) / (\d+)", stdout)
+    assert totals and totals.group(1) == "48.00" and totals.group(2) == "48", stdout
+    visibility = {t["visibility"] for t in tests if t["max_score"]}
+    assert visibility == ({"after_published"} if mode == "hidden" else {"visible"})
 
 
 def bug_rounds():
@@ -127,11 +220,9 @@ def test_every_known_bug_loses_points(solved, tmp_path, bugs):
         (work / file).write_text(text.replace(solution, buggy))
     scores, _, stdout = grade(work, *sorted({b[0] for b in bugs}))
     for exercise, name, *_ in bugs:
-        score, most = scores[exercise]
-        assert score < most, f"{exercise} '{name}' kept full marks:\n{stdout}"
-    # and no other exercise lost anything
-    buggy = {b[0] for b in bugs}
-    assert all(score == most for e, (score, most) in scores.items() if e not in buggy)
+        assert not full(scores, exercise), f"{exercise} '{name}' kept full marks:\n{stdout}"
+    buggy = {b[0] for b in bugs}  # and no other exercise lost anything
+    assert all(full(scores, e) for e in scores if e not in buggy), stdout
 
 
 RECORD = '''
@@ -139,7 +230,7 @@ def rloo(returns, group_size):
     import json, pathlib
     R = _groups(returns, group_size)
     answer = (R - (R.sum(1, keepdim=True) - R) / (group_size - 1)).reshape(-1)
-    path = pathlib.Path(__file__).with_name("answers.json")
+    path = pathlib.Path(%r)
     table = json.loads(path.read_text()) if path.exists() else {}
     table[repr((returns.tolist(), group_size))] = answer.tolist()
     path.write_text(json.dumps(table))
@@ -160,30 +251,284 @@ TABLE = %s
 def test_a_lookup_of_the_public_answers_fails_the_hidden_tests(solved, tmp_path):
     """Record rloo's answers on the public cases, then answer from that table: full marks in
     public, points lost at the instructor's seed."""
-    work = tmp_path / "lookup"
-    shutil.copytree(solved, work)
-    path = work / "advantage.py"
-    path.write_text(handout.replace_function(path.read_text(), "rloo", RECORD))
+    work = submission(tmp_path, solved)
+    path, table_path = work / "advantage.py", tmp_path / "answers.json"
+    path.write_text(handout.replace_function(path.read_text(), "rloo", RECORD % str(table_path)))
     grade(work, "E4")
-    table = json.loads((work / "answers.json").read_text())
+    table = json.loads(table_path.read_text())
     assert table  # the public cases were seen
-    lookup = LOOKUP % repr(table)  # the answers go into advantage.py, the file a student hands in
-    path.write_text(handout.replace_function(path.read_text(), "rloo", lookup))
+    path.write_text(handout.replace_function(path.read_text(), "rloo", LOOKUP % repr(table)))
     public, _, _ = grade(work, "E4")
-    assert public["E4"][0] == public["E4"][1]
-    hidden, _, _ = grade(ROOT, "--hidden", "--seed", "3", "--submission", str(work))
-    assert hidden["E4"][0] < hidden["E4"][1]
+    assert full(public, "E4")
+    scores, _, _ = hidden(work, "E4")
+    assert not full(scores, "E4")
+
+
+TAMPER = '''
+import atexit, json, os, time
+
+
+def _full_marks(path):
+    results = json.loads(open(path).read())
+    rows = results if isinstance(results, list) else results["tests"]
+    for row in rows:
+        if "passed" in row:
+            row["passed"] = True
+        if "max_score" in row:
+            row["score"] = row["max_score"]
+    if isinstance(results, dict):
+        results["score"] = sum(row.get("max_score", 0) for row in rows)
+    open(path, "w").write(json.dumps(results))
+
+
+def _results_paths():
+    """The grader's results files: an env var, or --json on an ancestor's command line."""
+    paths, pid = [os.environ.get("CLASSROOM_RESULTS")], os.getppid()
+    while pid > 1:
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().decode().split("\\0")
+            pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            break
+        paths += [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--json"]
+    return [p for p in paths if p]
+
+
+def _tamper():
+    for path in _results_paths():
+        if os.path.exists(path):
+            _full_marks(path)
+
+
+atexit.register(_tamper)
+if os.fork() == 0:  # a daemon that outlives the child and rewrites the results once written
+    os.setsid()
+    if os.fork() == 0:
+        paths = _results_paths()
+        for _ in range(150):
+            time.sleep(0.1)
+            for path in paths:
+                if os.path.exists(path) and time.time() - os.path.getmtime(path) < 5:
+                    time.sleep(0.3)
+                    _full_marks(path)
+                    os._exit(0)
+    os._exit(0)
+'''
+
+
+def test_a_submission_cannot_rewrite_its_results(blank, tmp_path):
+    """A kl.py whose import registers an atexit hook and forks a daemon, both rewriting the
+    results file to full marks: the grader kills both, and E1 scores nothing."""
+    work = tmp_path / "tamper"
+    shutil.copytree(blank, work)
+    (work / "kl.py").write_text((work / "kl.py").read_text() + TAMPER)
+    out = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, "-m", "classroom", "grade", "--hidden", "--seed",
+                           str(SECRET), "--submission", str(work), "--assignment", "E1", "--json",
+                           str(out)], cwd=ROOT, capture_output=True, text=True)
+    time.sleep(3)  # a daemon, if one survived, would rewrite the file by now
+    scores, _ = scores_of(out)
+    assert scores["E1"][0] == 0, proc.stdout[-2000:]
+    assert json.loads(out.read_text())["score"] == 0
+
+
+ORACLE = '''
+def estimate(logp, ref_logp, kind, clamp="none"):
+    """Any spelling of the grader's references: by name, by package, by a file in this folder or
+    on the import path."""
+    import importlib, importlib.util, pathlib, sys
+    for name in ["ora" + "cle", "classroom.standins", "classroom.reference", "standins",
+                 "tests.oracle", "classroom.tests.oracle", "reference"]:
+        try:
+            return importlib.import_module(name).estimate(logp, ref_logp, kind, clamp)
+        except (ImportError, AttributeError):
+            pass
+    here = pathlib.Path(__file__).resolve()
+    for folder in [here.parent, *map(pathlib.Path, sys.path[:1])]:
+        for path in folder.rglob("*.py"):
+            if path != here and path.is_file() and "def estimate(" in path.read_text():
+                spec = importlib.util.spec_from_file_location("found", path)
+                module = importlib.util.module_from_spec(spec)
+                try:
+                    spec.loader.exec_module(module)
+                    return module.estimate(logp, ref_logp, kind, clamp)
+                except Exception:
+                    pass
+    raise NotImplementedError("E1: no reference found")
+'''
+
+
+def test_the_grader_s_references_cannot_be_imported(blank, tmp_path):
+    """kl.estimate that imports the grader's references by every name it could have, or loads
+    any file of its folder (or the import path's first) that defines estimate: the sandbox has
+    none, E1 scores 0. (Reading the grader's files elsewhere on disk: classroom/README.md.)"""
+    work = tmp_path / "oracle"
+    shutil.copytree(blank, work)
+    (work / "kl.py").write_text(handout.replace_function((work / "kl.py").read_text(),
+                                                         "estimate", ORACLE))
+    public, _, _ = grade(work, "E1")
+    assert full(public, "E1")  # in the handout the public grader is there to import
+    scores, tests, _ = hidden(work, "E1")
+    assert scores["E1"][0] == 0
+    assert any("no reference found" in t["output"] for t in tests)
+
+
+RECORD_E3 = '''
+def expected_gradient(kind, place, T, theta=THETA, ref=REF):
+    import json
+    with open(%r, "a") as file:
+        file.write(json.dumps([kind, place, T, list(theta), list(ref)]) + "\\n")
+    return torch.zeros(2, dtype=f64)
+'''
+LOOKUP_E3 = '''
+def expected_gradient(kind, place, T, theta=THETA, ref=REF):
+    key = repr([kind, place, T, [float(v) for v in theta], [float(v) for v in ref]])
+    return torch.tensor(TABLE.get(key, [0.0, 0.0]), dtype=f64)
+
+
+TABLE = %s
+'''
+
+
+def test_hidden_messages_give_no_expected_values(blank, tmp_path):
+    """Return zeros and record the inputs, read the wanted values from the hidden messages, answer
+    from that table: E3 gains nothing, and no message holds an expected value."""
+    work, seen = tmp_path / "messages", tmp_path / "seen.jsonl"
+    shutil.copytree(blank, work)
+    toy = (work / "toy.py").read_text()
+    (work / "toy.py").write_text(handout.replace_function(toy, "expected_gradient",
+                                                          RECORD_E3 % str(seen)))
+    scores, tests, stdout = hidden(work, "E3")
+    inputs = [json.loads(line) for line in seen.read_text().splitlines()]
+    messages = [line for t in tests for line in t["output"].splitlines()] + stdout.splitlines()
+    wanted = [[float(v) for v in m.group(1).split(",")]
+              for line in messages for m in re.finditer(r"want \[([^\]]*)\]", line)]
+    table = {repr(i): w for i, w in zip(inputs, wanted)}
+    (work / "toy.py").write_text(handout.replace_function(toy, "expected_gradient",
+                                                          LOOKUP_E3 % repr(table)))
+    after, _, _ = hidden(work, "E3")
+    assert after["E3"][0] <= scores["E3"][0] + 1 + 1e-9  # k1 in loss (1 point) wants zeros
+    numbers = {round(float(x), 6) for line in messages
+               for x in re.findall(r"-?\d+\.\d{3,}(?:e-?\d+)?", line)}
+    from classroom.checks import e3_enumeration
+    from classroom.reference import references, toy as enumerate_toy
+
+    for spec in e3_enumeration.tests(SECRET, True):
+        for _, ((kind, place), params) in spec["cases"]:
+            want = e3_enumeration.CONFIGS[kind, place][1](references(enumerate_toy(*params)))
+            assert not {round(v, 6) for v in want.tolist() if abs(v) > 1e-6} & numbers
+
+
+def test_a_case_that_never_returns_times_out(solved, tmp_path):
+    """kl.estimate that never returns with clamp='verl': that case fails with a timeout, the rest
+    of E1 still passes."""
+    work = submission(tmp_path, solved)
+    source = (work / "kl.py").read_text()
+    verl = '    if clamp == "verl":\n'
+    assert source.count(verl) == 1
+    (work / "kl.py").write_text(source.replace(verl, verl + "        __import__('time').sleep(600)\n"))
+    scores, tests, _ = grade(work, "E1", env={"CLASSROOM_CASE_SECONDS": "2"})
+    assert scores["E1"] == (5.0, 6.0)
+    assert "timeout" in next(t["output"] for t in tests if t["name"] == "E1 verl_clamp")
+
+
+def test_a_syntax_error_costs_only_its_exercises(solved, tmp_path):
+    """kl.py that does not parse: E1 (kl.estimate) scores 0 with the error's lines; E3 (toy.py
+    imports kl) and E4 still score full marks."""
+    work = submission(tmp_path, solved)
+    (work / "kl.py").write_text((work / "kl.py").read_text() + "\ndef broken(:\n    pass\n")
+    scores, tests, stdout = hidden(work, "E1", "E3", "E4")
+    assert scores["E1"][0] == 0 and full(scores, "E3") and full(scores, "E4"), stdout
+    e1 = "\n".join(t["output"] for t in tests if t["name"].startswith("E1"))
+    assert "kl.py does not import" in e1 and "SyntaxError" in e1 and "def broken(:" in e1
+
+
+def test_a_partial_upload_is_graded(tmp_path):
+    """Only kl.py and advantage.py uploaded (no handout around them) for an assignment E1, E4, E6:
+    E1 and E4 are graded, E6 scores 0 saying rollout.py was not submitted, and no temporary
+    folder is left behind."""
+    upload = tmp_path / "upload"
+    upload.mkdir()
+    for file in ("kl.py", "advantage.py"):
+        shutil.copyfile(ROOT / file, upload / file)
+    before = set(pathlib.Path(tempfile.gettempdir()).glob("classroom-*"))
+    scores, tests, stdout = hidden(upload, "E1", "E4", "E6")
+    assert full(scores, "E1") and full(scores, "E4") and scores["E6"][0] == 0, stdout
+    assert all("rollout.py: not submitted" in t["output"] for t in tests
+               if t["name"].startswith("E6") and t["max_score"])
+    assert set(pathlib.Path(tempfile.gettempdir()).glob("classroom-*")) == before
+
+
+def test_e8_needs_the_runs_themselves(solved, tmp_path):
+    """Hand-written E8 files (the flags in config.json, 20 lines of {"kl_k1": 0}, a PNG header, 30
+    words) score nothing; so do real runs whose plot is not theirs."""
+    fake = tmp_path / "fake"
+    shutil.copytree(solved, fake)
+    shutil.rmtree(fake / "experiment")
+    for run, place in (("k1-reward", "reward"), ("k1-loss", "loss")):
+        (fake / "experiment" / run).mkdir(parents=True)
+        (fake / "experiment" / run / "config.json").write_text(json.dumps(
+            {"kl": "k1", "place": place, "beta": 1.0}))
+        (fake / "experiment" / run / "metrics.jsonl").write_text('{"kl_k1": 0}\n' * 20)
+    (fake / "experiment" / "plot.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    (fake / "experiment" / "answer.md").write_text("word " * 30)
+    scores, _, _ = hidden(fake, "E8")
+    assert scores["E8"][0] == 0
+    other = tmp_path / "other-plot"
+    shutil.copytree(solved, other)
+    subprocess.run([sys.executable, "plot.py", "experiment/k1-reward", "--out",
+                    "experiment/plot.png"], cwd=other, check=True, capture_output=True)
+    scores, tests, _ = hidden(other, "E8")
+    assert scores["E8"][0] == 3.0  # the runs, not the plot
+
+
+GRADESCOPE_TEST_KEYS = {"name", "score", "max_score", "output", "visibility", "status", "tags",
+                        "number", "extra_data", "output_format", "name_format"}
+
+
+def test_the_autograder_zip_runs_end_to_end(tmp_path):
+    """`python -m classroom autograder` builds the zip; its run_autograder grades a fake
+    /autograder tree's submission and writes Gradescope's results.json."""
+    zip_path = tmp_path / "autograder.zip"
+    proc = subprocess.run([sys.executable, "-m", "classroom", "autograder", str(zip_path),
+                           "--exercises", "E1,E4", "--seed", str(SECRET)], cwd=ROOT,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    tree = tmp_path / "autograder"
+    with zipfile.ZipFile(zip_path) as archive:
+        names = archive.namelist()
+        archive.extractall(tree / "source")
+    assert {"setup.sh", "run_autograder", "assignment.json", "classroom/grade.py",
+            "base/kl.py"} <= set(names)
+    assert not [n for n in names if n.startswith("base/classroom") or "bugs.py" in n]
+    (tree / "submission" / "hw").mkdir(parents=True)  # a zipped folder, kl.py only
+    shutil.copyfile(ROOT / "kl.py", tree / "submission" / "hw" / "kl.py")
+    env = {**os.environ, "AUTOGRADER_ROOT": str(tree), "PYTHON": sys.executable,
+           "CLASSROOM_CHILD_USER": ""}  # this machine's Python is not readable by nobody
+    run = subprocess.run(["bash", str(tree / "source" / "run_autograder")], env=env,
+                         capture_output=True, text=True)
+    results = json.loads((tree / "results" / "results.json").read_text())
+    assert isinstance(results["score"], (int, float)) and isinstance(results["tests"], list)
+    for t in results["tests"]:
+        assert set(t) <= GRADESCOPE_TEST_KEYS and isinstance(t["name"], str)
+        assert 0 <= t["score"] <= t["max_score"] and t["visibility"] in (
+            "visible", "hidden", "after_due_date", "after_published")
+    scores, _ = scores_of(tree / "results" / "results.json")
+    assert full(scores, "E1") and scores["E4"][0] == 0, run.stdout[-3000:]
+    assert results["score"] == 6
+    files = {t["name"]: t["output"] for t in results["tests"] if t["name"].endswith("files")}
+    assert "kl.py received" in files["E1 files"] and "advantage.py not submitted" in files["E4 files"]
 
 
 def test_manifest_and_code_agree():
-    tests = {p.name for p in (ROOT / "classroom" / "tests").glob("test_e*_*.py")}
+    checks = {p.name for p in (ROOT / "classroom" / "checks").glob("e*_*.py")}
     for exercise in EXERCISES:
-        assert [t for t in tests if t.startswith(f"test_{exercise.id.lower()}_")], exercise.id
-        for file, function in exercise.functions:
+        assert [c for c in checks if c.startswith(f"{exercise.id.lower()}_")], exercise.id
+        for file, function in exercise.functions + exercise.withheld:
             tree = ast.parse((ROOT / file).read_text())
             node = next((n for n in tree.body if isinstance(n, ast.FunctionDef)
                          and n.name == function), None)
             assert node is not None, f"{exercise.id}: {file} has no function {function}"
             assert ast.get_docstring(node), f"{exercise.id}: {file}:{function} needs a docstring"
-    assert {t.split("_")[1].upper() for t in tests} == {e.id for e in EXERCISES}
+    assert {c.split("_")[0].upper() for c in checks} == {e.id for e in EXERCISES}
     assert {b[0] for b in BUGS} >= {e.id for e in EXERCISES if e.functions}

@@ -1,44 +1,185 @@
-"""Grade a handout: run each exercise's tests (classroom/tests/test_<id>_*.py) in one pytest
-process, print a table of points, tests passed and seconds per exercise with a hint for each
-failure, and write a results file in the format Gradescope's autograder reads.
+"""Grade a handout or a submission: for each exercise, a child process (probes.py, child.py) runs
+the submitted functions on each case's inputs and returns their outputs; this process, which never
+imports submitted code, computes the expected values (checks/, standins.py, reference.py),
+compares, and writes the table and Gradescope's results.json.
 
-Every case's parameters are drawn from a seed: the public seed by default, the instructor's secret
-one with --hidden (classroom/README.md). Oracles are computed at grading time; nothing is stored.
+Public (`grade` in a handout): the public seed, the child in the handout itself, messages with
+values. Hidden (`grade --hidden --seed S --submission DIR`, and the Gradescope autograder): a
+sandbox holding a fresh blank handout without the grader (classroom/) and the submission's files
+of the assignment's exercises, a child per exercise that cannot import the grader (on Gradescope
+run as `nobody`, who cannot read it either), messages that never print an expected value, results that students see
+once grades are published. Each exercise stands alone: a file that is missing or does not import
+costs the exercises that need it, with its error's first lines.
 """
+import importlib
 import json
 import os
 import pathlib
 import shutil
-import subprocess
-import sys
 import tempfile
+import time
+from fractions import Fraction
 
+from classroom import child as children
 from classroom.manifest import BY_ID, EXERCISES
 
 PUBLIC_SEED = 2512  # arXiv 2512.21852
+# the most seconds a case may take (each check sets its own, 20-120 s); lower it to try a timeout
+CASE_SECONDS = float(os.environ.get("CLASSROOM_CASE_SECONDS") or "inf")
+CHECKS = {path.stem.split("_")[0].upper(): f"classroom.checks.{path.stem}"
+          for path in (pathlib.Path(__file__).parent / "checks").glob("e[0-9]*_*.py")}
 
 
-def chosen_exercises(root):
-    marker = root / ".classroom"
-    return marker.read_text().split() if marker.exists() else [e.id for e in EXERCISES]
+def run_order(exercises):
+    """The exercises, each before any exercise whose child is sent stand-ins of its functions:
+    a child cannot keep a stand-in (on disk) for an exercise that runs after it."""
+    owner = {(file[:-3], name): e for e in exercises for file, name in BY_ID[e].functions}
+    before = {e: {owner[tuple(p)] for p in checks_of(e).PATCH if tuple(p) in owner} - {e}
+              for e in exercises}
+    order = []
+    while len(order) < len(exercises):
+        order += [e for e in exercises if e not in order and before[e] <= set(order)][:1]
+    return order
 
 
-def run_tests(root, exercises, seed, hidden, verbose=False):
-    """Run the exercises' tests under `root`; return one dict per test (see tests/conftest.py)."""
-    files = sorted(str(path.relative_to(root)) for e in exercises
-                   for path in (root / "classroom" / "tests").glob(f"test_{e.lower()}_*.py"))
-    with tempfile.TemporaryDirectory() as tmp:
-        results = pathlib.Path(tmp) / "results.json"
-        env = {**os.environ, "CLASSROOM_SEED": str(seed), "CLASSROOM_RESULTS": str(results),
-               "CLASSROOM_HIDDEN": "1" if hidden else "", "PYTHONPATH": str(root)}
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir",
-               str(root / "classroom" / "tests"), *files]
-        cmd += [] if verbose else ["--tb=no", "--no-header", "-rN"]
-        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=not verbose, text=True)
-        if not results.exists():
-            raise SystemExit(f"the tests did not run (pytest exit {proc.returncode}):\n"
-                             f"{(proc.stdout or '')[-2000:]}{(proc.stderr or '')[-2000:]}")
-        return json.loads(results.read_text())
+def checks_of(exercise_id):
+    return importlib.import_module(CHECKS[exercise_id])
+
+
+def grade_exercise(exercise_id, root, seed, hidden, missing, user):
+    """One dict per test of the exercise: points, cases passed, messages, seconds."""
+    checks = checks_of(exercise_id)
+    kwargs = {"root": root} if exercise_id == "E8" else {}
+    specs = checks.tests(seed, hidden, **kwargs)
+    state = {"child": None, "broken": None}
+
+    def run(probe, seconds, **args):
+        if state["broken"]:
+            raise children.Failed(state["broken"])
+        if state["child"] is None:
+            state["child"] = children.start(root, checks.OTHERS, checks.OWN, checks.PATCH,
+                                            user, hidden)
+            errors = state["child"]["import_errors"]
+            if errors:
+                state["broken"] = "; ".join(f"{name}.py does not import:\n" + "\n".join(lines)
+                                            for name, lines in errors.items())
+                raise children.Failed(state["broken"])
+        return children.call(state["child"], probe, seconds, **args)
+
+    results = []
+    try:
+        for spec in specs:
+            start, passed, messages = time.monotonic(), 0, []
+            for label, params in spec["cases"]:
+                try:
+                    if missing:
+                        raise children.Failed(f"{', '.join(missing)}: not submitted")
+                    seconds = min(spec["seconds"], CASE_SECONDS)
+                    spec["check"](params, lambda probe, **a: run(probe, seconds, **a))
+                    passed += 1
+                except children.Failed as error:
+                    messages.append(f"[{label}] {error}")
+                    if state["child"] is not None and not error.alive and not state["broken"]:
+                        children.stop(state["child"])  # a fresh child for the next case
+                        state["child"] = None
+                except Exception as error:  # noqa: BLE001  harness.Wrong, or a bad output
+                    message = getattr(error, "hidden" if hidden else "public", None)
+                    messages.append(f"[{label}] {message or type(error).__name__ + ': ' + str(error)[:200]}")
+            results.append({"exercise": exercise_id, "name": spec["name"],
+                            "points": Fraction(spec["points"]).limit_denominator(1000),
+                            "cases": len(spec["cases"]), "passed": passed,
+                            "messages": unique(messages), "hint": spec["hint"],
+                            "seconds": time.monotonic() - start})
+    finally:
+        if state["child"] is not None:
+            children.stop(state["child"])
+    return results
+
+
+def unique(messages):
+    """A module's import error is one message, not one per case."""
+    seen, out = set(), []
+    for message in messages:
+        key = message.split("] ", 1)[-1]
+        if key not in seen:
+            seen.add(key)
+            out.append(message)
+    return out
+
+
+def score(test):
+    return test["points"] * test["passed"] / test["cases"]
+
+
+def find(submission, name, directory=False):
+    """submission/name, or the shallowest match in a folder of the upload (a zipped handout)."""
+    direct = submission / name
+    if direct.is_dir() if directory else direct.is_file():
+        return direct
+    matches = sorted((p for p in submission.rglob(name) if (p.is_dir() if directory else p.is_file())
+                      and not any(part.startswith((".", "__MACOSX")) for part in
+                                  p.relative_to(submission).parts)),
+                     key=lambda p: (len(p.parts), str(p)))
+    return matches[0] if matches else None
+
+
+def build_sandbox(sandbox, base, submission, exercises, received):
+    """A blank handout (`base`) without the grader, with the submission's files of `exercises`
+    copied in; `received` gets {file: 'received' | 'not submitted'}."""
+    shutil.copytree(base, sandbox, ignore=shutil.ignore_patterns(".git"))
+    shutil.rmtree(sandbox / "classroom", ignore_errors=True)
+    for exercise_id in exercises:
+        for file in files_of(exercise_id):
+            found = find(submission, file.rstrip("/"), directory=file.endswith("/"))
+            received[file] = "received" if found else "not submitted"
+            if found and file.endswith("/"):
+                shutil.copytree(found, sandbox / file, dirs_exist_ok=True)
+            elif found:
+                shutil.copyfile(found, sandbox / file)
+
+
+def files_of(exercise_id):
+    """The files a student hands in for an exercise (E8: the experiment/ folder)."""
+    exercise = BY_ID[exercise_id]
+    return sorted({file for file, _ in exercise.functions}) or ["experiment/"]
+
+
+def give_to(path, user):
+    """Make the sandbox the child's own (it runs as `user`, e.g. nobody, when we are root)."""
+    if user is None:
+        return
+    os.chmod(path.parent, 0o711)
+    for item in [path, *path.rglob("*")]:
+        os.chown(item, *user, follow_symlinks=False)
+
+
+def grade(root, exercises, seed, hidden, submission=None, base=None, child_user=None):
+    """Grade; returns (tests, received). Hidden: a sandbox from `base` (a blank handout, built
+    from this repository if None) and `submission`, removed afterwards; its children run as
+    `child_user` if given."""
+    children.become_subreaper()
+    for exercise_id in exercises:  # import every check (and transformers) before any child runs
+        checks_of(exercise_id)
+    received = {}
+    with tempfile.TemporaryDirectory(prefix="classroom-") as tmp:
+        user = None
+        if hidden:
+            if base is None:
+                from classroom import handout
+
+                base = handout.make(pathlib.Path(tmp) / "base", exercises, git=False)
+                shutil.rmtree(base / "classroom")  # the grader is no file a child can find
+            root = pathlib.Path(tmp) / "work" / "sandbox"
+            root.parent.mkdir()
+            build_sandbox(root, base, submission, exercises, received)
+            user = children.sandbox_user(child_user)
+            give_to(root, user)
+        tests = []
+        for exercise_id in run_order(exercises):
+            missing = [f for f in files_of(exercise_id) if received.get(f) == "not submitted"]
+            tests += grade_exercise(exercise_id, root, seed, hidden, missing, user)
+    order = {e: i for i, e in enumerate(exercises)}
+    return sorted(tests, key=lambda t: order[t["exercise"]]), received
 
 
 def summarize(tests, exercises):
@@ -46,29 +187,29 @@ def summarize(tests, exercises):
     for exercise_id in exercises:
         mine = [t for t in tests if t["exercise"] == exercise_id]
         rows.append({"exercise": exercise_id, "title": BY_ID[exercise_id].title,
-                     "points": sum(t["points"] for t in mine if t["passed"]),
-                     "max_points": sum(t["points"] for t in mine),
-                     "passed": sum(t["passed"] for t in mine), "tests": len(mine),
+                     "points": sum((score(t) for t in mine), Fraction(0)),
+                     "max_points": sum((t["points"] for t in mine), Fraction(0)),
+                     "passed": sum(t["passed"] == t["cases"] for t in mine), "tests": len(mine),
                      "seconds": sum(t["seconds"] for t in mine)})
     return rows
 
 
-def print_report(rows, tests, hidden, seed):
-    print(f"{'':4}{'exercise':<44}{'points':>10}{'tests':>9}{'seconds':>9}")
+def print_report(rows, tests, hidden, seed, received):
+    print(f"{'':4}{'exercise':<44}{'points':>12}{'tests':>9}{'seconds':>9}")
     for row in rows:
         print(f"{row['exercise']:<4}{row['title'][:43]:<44}"
-              f"{row['points']:>5.1f} / {row['max_points']:<3.0f}"
-              f"{row['passed']:>4} / {row['tests']:<3}"
-              f"{row['seconds']:>8.1f}")
+              f"{float(row['points']):>6.2f} / {float(row['max_points']):<3g}"
+              f"{row['passed']:>4} / {row['tests']:<3}{row['seconds']:>8.1f}")
     total, most = sum(r["points"] for r in rows), sum(r["max_points"] for r in rows)
-    print(f"{'':4}{'total':<44}{total:>5.1f} / {most:<3.0f}")
-    for row in rows:
-        failures = [t for t in tests if t["exercise"] == row["exercise"] and not t["passed"]]
-        if failures:
-            print(f"\n{row['exercise']} failed {len(failures)} test(s). "
-                  f"Hint: {failures[0]['hint']}")
-        for t in failures:
-            print(f"  {t['name']}: {t['message']}")
+    print(f"{'':4}{'total':<44}{float(total):>6.2f} / {float(most):<3g}")
+    if received:
+        print("\nfiles: " + ", ".join(f"{file} {status}" for file, status in received.items()))
+    for t in tests:
+        if t["passed"] < t["cases"]:
+            print(f"\n{t['exercise']} {t['name']}: {t['passed']}/{t['cases']} cases. "
+                  f"Hint: {t['hint']}")
+            for message in t["messages"][:6]:
+                print("  " + message.replace("\n", "\n    "))
     if hidden:
         print(f"\nThese are the hidden tests (seed {seed}).")
     else:
@@ -77,62 +218,69 @@ def print_report(rows, tests, hidden, seed):
               "from a rubric: passing here does not mean passing there.")
 
 
-def gradescope(rows, tests, hidden):
-    """The results.json Gradescope's autograder reads: a score, and one entry per test."""
-    return {
-        "score": round(sum(r["points"] for r in rows), 3),
-        "output": ("Hidden tests." if hidden else "Public tests only: the grade comes from hidden "
-                   "tests."),
-        "tests": [{"name": f"{t['exercise']} {t['name']}", "score": t["points"] * t["passed"],
-                   "max_score": t["points"], "visibility": "visible",
-                   "output": "" if t["passed"] else f"{t['message']}\nhint: {t['hint']}"}
-                  for t in tests],
-    }
-
-
-def hidden_copy(submission, exercises):
-    """A fresh handout (in a temporary directory) holding only the submission's exercise files."""
-    from classroom import handout
-
-    out = pathlib.Path(tempfile.mkdtemp(prefix="classroom-hidden-")) / "handout"
-    handout.make(out, exercises, git=False)
-    for file in sorted({file for e in exercises for file, _ in BY_ID[e].functions}):
-        if not (submission / file).exists():
-            raise SystemExit(f"the submission {submission} has no {file}")
-        shutil.copyfile(submission / file, out / file)
-        if "oracle" in (submission / file).read_text():
-            print(f"WARNING: the submission's {file} mentions 'oracle' (the grader's references)")
-    if (submission / "experiment").is_dir() and "E8" in exercises:
-        shutil.copytree(submission / "experiment", out / "experiment")
-    return out
+def gradescope(rows, tests, hidden, received, exercises):
+    """The results.json Gradescope's autograder reads. Hidden: the tests are seen once grades are
+    published; a 0-point entry per exercise says at once which files arrived and whether they
+    import."""
+    visibility = "after_published" if hidden else "visible"
+    entries = [{"name": f"{t['exercise']} {t['name']}", "score": float(score(t)),
+                "max_score": float(t["points"]), "visibility": visibility,
+                "status": "passed" if t["passed"] == t["cases"] else "failed",
+                "output": (f"{t['passed']}/{t['cases']} cases passed" if t["passed"] == t["cases"]
+                           else "\n".join(t["messages"]) + f"\nhint: {t['hint']}")}
+               for t in tests]
+    if hidden:
+        for exercise_id in exercises:
+            files = files_of(exercise_id)
+            imports = [m for t in tests if t["exercise"] == exercise_id for m in t["messages"]
+                       if "does not import" in m][:1]
+            status = ", ".join(f"{f} {received.get(f, '?')}" for f in files)
+            entries.append({"name": f"{exercise_id} files", "score": 0.0, "max_score": 0.0,
+                            "visibility": "visible", "output": status + (
+                                "\n" + imports[0].split("] ", 1)[-1] if imports else "")})
+    total = sum((r["points"] for r in rows), Fraction(0))
+    return {"score": round(float(total), 4),
+            "output": ("Hidden tests: their results appear when grades are published."
+                       if hidden else "Public tests only: the grade comes from hidden tests."),
+            "tests": entries}
 
 
 def main(args):
-    root = pathlib.Path.cwd()
     if args.hidden:
         if args.seed is None:
             raise SystemExit("--hidden needs --seed SECRET (the instructor's)")
         submission = pathlib.Path(args.submission or ".").resolve()
-        exercises = chosen_exercises(submission)
-        root = hidden_copy(submission, exercises)
+        if not submission.is_dir():
+            raise SystemExit(f"--submission {submission}: no such directory")
+        marker = submission / ".classroom"
+        exercises = (args.assignment.split(",") if args.assignment else
+                     marker.read_text().split() if marker.is_file() else [e.id for e in EXERCISES])
+        root = None
     else:
-        exercises = chosen_exercises(root)
+        root = pathlib.Path.cwd()
+        if not (root / ".classroom").is_file() and not (root / "classroom" / "handout.py").is_file():
+            raise SystemExit("run `python -m classroom grade` in a handout's directory")
+        marker = root / ".classroom"
+        exercises = marker.read_text().split() if marker.is_file() else [e.id for e in EXERCISES]
+        submission = None
+    exercises = [e.strip().upper() for e in exercises if e.strip()]
+    unknown = [e for e in exercises if e not in BY_ID]
+    if unknown:
+        raise SystemExit(f"unknown exercise(s) {', '.join(unknown)}: choose from {', '.join(BY_ID)}")
     if args.exercises:
         wanted = [e.upper() for e in args.exercises]
-        unknown = [e for e in wanted if e not in exercises]
-        if unknown:
-            raise SystemExit(f"{', '.join(unknown)}: not in this handout ({', '.join(exercises)})")
+        if [e for e in wanted if e not in exercises]:
+            raise SystemExit(f"{', '.join(e for e in wanted if e not in exercises)}: not in this "
+                             f"assignment ({', '.join(exercises)})")
         exercises = wanted
     seed = PUBLIC_SEED if args.seed is None else args.seed
-    try:
-        tests = run_tests(root, exercises, seed, args.hidden, args.verbose)
-    finally:
-        if args.hidden:
-            shutil.rmtree(root.parent)
+    base = pathlib.Path(args.base).resolve() if getattr(args, "base", None) else None
+    tests, received = grade(root, exercises, seed, args.hidden, submission, base,
+                            getattr(args, "child_user", None))
     rows = summarize(tests, exercises)
-    print_report(rows, tests, args.hidden, seed)
+    print_report(rows, tests, args.hidden, seed, received)
     out = pathlib.Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(gradescope(rows, tests, args.hidden), indent=1))
+    out.write_text(json.dumps(gradescope(rows, tests, args.hidden, received, exercises), indent=1))
     print(f"results: {out}")
     return rows, tests

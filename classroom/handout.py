@@ -1,6 +1,8 @@
 """Make a handout: a copy of the project's tracked files with the chosen exercises' functions
-blanked, the answer keys and results left out, a student README, a leak check and a fresh git
-history (see classroom/README.md)."""
+blanked (and the functions that would give them away withheld), the answer keys, results and the
+instructor's side of classroom/ left out, a student README, a leak check and a fresh git history
+(see classroom/README.md). The public grader ships with it; hidden grading never lets submitted
+code import it (grade.py)."""
 import ast
 import pathlib
 import re
@@ -13,11 +15,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # results, documents that print solution lines, CI, and the instructor's side of classroom/.
 DROP = [r"test_[^/]*\.py", r"conftest\.py", r"tests_fixtures/.*", r"assets/.*", r"studies/.*",
         r"docs/.*", r"\.ci/.*", r"README\.md", r"classroom/README\.md", r"classroom/handout\.py",
-        r"classroom/bugs\.py", r"classroom/STUDENT\.md"]
+        r"classroom/bugs\.py", r"classroom/STUDENT\.md", r"classroom/autograder\.py"]
 MIN_LEAK = 20  # a blanked line of at least this many characters must appear nowhere in a handout
 
 
-def blank_function(source, name, exercise):
+def blank_function(source, name, exercise, withheld=False):
     """`source` with top-level function `name` reduced to its signature, docstring and a raise."""
     tree = ast.parse(source)
     node = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name), None)
@@ -28,7 +30,9 @@ def blank_function(source, name, exercise):
     has_doc = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
     keep_until = body[0].end_lineno if has_doc else body[0].lineno - 1  # 1-based, inclusive
     indent = " " * (body[0].col_offset)
-    stub = f'{indent}raise NotImplementedError("{exercise.id}: {exercise.title}; see README.md")\n'
+    why = (f"withheld from this handout: it holds {exercise.id}'s answer" if withheld else
+           f"{exercise.id}: {exercise.title}; see README.md")
+    stub = f'{indent}raise NotImplementedError("{why}")\n'
     return "".join(lines[:keep_until]) + stub + "".join(lines[node.end_lineno:])
 
 
@@ -52,12 +56,18 @@ def function_lines(source, name):
     return [line.strip() for line in source.splitlines()[start - 1:node.end_lineno]]
 
 
-def leaks(out, removed, kept):
-    """(file, line) for each removed line of MIN_LEAK+ characters still in the handout: as a line of
-    its own, or inside a longer line or text when 2 * MIN_LEAK long. Lines the project's kept code
-    also has (`kept`: a shared helper call, say) are idiom, not answers."""
+def code_of(line):
+    """A stripped line without its trailing comment: `x = f(y)  # pi(y)` and `x = f(y)` match."""
+    return re.sub(r"\s+#\s.*$", "", line).strip()
+
+
+def leaks(out, removed, shared=()):
+    """(file, line) for each removed line of MIN_LEAK+ characters (comments aside) still in the
+    handout: as a line of its own, comments aside, or inside other text when 2 * MIN_LEAK long.
+    Only the `shared` lines (a helper call the kept code also makes) are let through."""
     found = []
-    long_lines = {line for line in removed if len(line) >= MIN_LEAK} - kept
+    long_lines = {code_of(line) for line in removed if len(code_of(line)) >= MIN_LEAK}
+    long_lines -= {code_of(line) for line in shared}
     for path in sorted(out.rglob("*")):
         if ".git" in path.parts or not path.is_file():
             continue
@@ -65,14 +75,17 @@ def leaks(out, removed, kept):
             text = path.read_text()
         except UnicodeDecodeError:
             continue
-        lines = {line.strip() for line in text.splitlines()}
+        lines = {code_of(line) for line in text.splitlines()}
         found += [(str(path.relative_to(out)), line) for line in sorted(long_lines)
                   if line in lines or (len(line) >= 2 * MIN_LEAK and line in text)]
     return found
 
 
 def student_readme(chosen):
-    parts = [(ROOT / "classroom" / "STUDENT.md").read_text()]
+    files = sorted({file for e in chosen for file, _ in BY_ID[e].functions}
+                   | ({"experiment/ (a folder: zip it with the files)"} if "E8" in chosen else set()))
+    parts = [(ROOT / "classroom" / "STUDENT.md").read_text().replace(
+        "{files}", ", ".join(f"`{file}`" for file in files))]
     for exercise in EXERCISES:
         if exercise.id not in chosen:
             continue
@@ -97,22 +110,23 @@ def make(out, chosen, git=True):
                            cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     files = [f for f in files if not any(re.fullmatch(pattern, f) for pattern in DROP)]
     texts = {f: (ROOT / f).read_bytes() for f in files}
-    removed = []
+    removed, shared = [], []
     for exercise_id in chosen:
         exercise = BY_ID[exercise_id]
+        shared += exercise.shared
         for file, name in exercise.functions:
             source = texts[file].decode()
             removed += function_lines(source, name)
             texts[file] = blank_function(source, name, exercise).encode()
-    kept = {line.strip() for file in {file for e in chosen for file, _ in BY_ID[e].functions}
-            for line in texts[file].decode().splitlines()}
+        for file, name in exercise.withheld:
+            texts[file] = blank_function(texts[file].decode(), name, exercise, True).encode()
     texts["README.md"] = student_readme(chosen).encode()
     out.mkdir(parents=True, exist_ok=True)
     for file, data in texts.items():
         (out / file).parent.mkdir(parents=True, exist_ok=True)
         (out / file).write_bytes(data)
     (out / ".classroom").write_text(" ".join(chosen) + "\n")  # the exercises this handout asks
-    found = leaks(out, removed, kept)
+    found = leaks(out, removed, shared)
     if found:
         import shutil
         shutil.rmtree(out)

@@ -3,7 +3,9 @@
 
 An exercise is the functions it names, blanked whole: the body becomes the docstring and
 `raise NotImplementedError("E1: ...")`. The solution files stay as they are, with no markers.
-Its graded tests are classroom/tests/test_<id>_*.py (e1 -> test_e1_*.py).
+`withheld` functions are blanked too, not graded: they would give the answer away (E3's answer is
+in toy.converge). `shared` lines of the answer that the kept code may also hold (a helper call)
+are the only ones the leak check lets through. Its checks are classroom/checks/<id>_*.py.
 """
 from dataclasses import dataclass
 
@@ -15,13 +17,15 @@ class Exercise:
     functions: tuple  # ("kl.py", "estimate"), ...: module file and top-level function, blanked
     minutes: int  # expected time for a student
     statement: str  # what to do, with the paper's equations by number (the student README)
-    hint: str  # shown beside every failing test of the exercise
+    hint: str  # for the student README; each check has its own hint
+    withheld: tuple = ()  # (file, function) blanked because it holds the answer, not graded
+    shared: tuple = ()  # stripped lines of the answer the handout may keep (shared helper calls)
 
 
 EXERCISES = [
     Exercise(
         "E1", "The three KL estimators", (("kl.py", "estimate"),), 30,
-        "Implement `kl.estimate`: K1 (eq. 11), K2 (the squared log-ratio) and K3 (eq. 14) per "
+        "Implement `kl.estimate`: K1 (eq. 11), K2 = 1/2 (log-ratio)^2 and K3 (eq. 14) per "
         "token. K3 must be non-negative and accurate near r = 1 in float32 and bfloat16 (where "
         "r - 1 - log r cancels), and clamp='verl' bounds it as verl's low_var_kl does (see the "
         "docstring). Graded: values against float64 oracles at random log-probs, K3's relative "
@@ -42,9 +46,14 @@ EXERCISES = [
         "(eqs. 17-18) and return the exact expected gradient of one configuration's KL term "
         "through `toy.training_loss`. Graded against independent references: K1-in-reward is "
         "grad KL (eqs. 21-23), K1-in-loss is 0 (eq. 13), K3-in-reward adds eq. 19, K3-in-loss is "
-        "eq. 41.",
+        "eq. 41. `toy.converge`, `toy.off_policy_variance` and `toy.kl_gradient_moments` are "
+        "withheld from this handout (they use the answer), so `python toy.py` does not run.",
         "An expectation over all sequences is a sum weighted by pi(y); that weight is a "
-        "probability, not part of the model the gradient flows through."),
+        "probability, not part of the model the gradient flows through.",
+        # enumerating and the toy's log-probs, as figure1 and toy.py's other studies do
+        shared=("y, _ = all_sequences(T)", "logp = bernoulli_logp(toy_logits(a, b, y), y)"),
+        withheld=(("toy.py", "converge"), ("toy.py", "off_policy_variance"),
+                  ("toy.py", "kl_gradient_moments"))),
     Exercise(
         "E4", "RLOO and the PPO-clip loss",
         (("advantage.py", "rloo"), ("advantage.py", "policy_loss")), 40,
@@ -53,7 +62,8 @@ EXERCISES = [
         "clip_frac). Graded: values; the baseline adds no expected gradient (every group of G "
         "samples enumerated); clipping by hand, with positive and negative advantages.",
         "The baseline of sample i must not depend on sample i. The clipped branch is active where "
-        "it is the larger of the two losses."),
+        "it is the larger of the two losses.",
+        shared=("R = _groups(returns, group_size)",)),
     Exercise(
         "E5", "The KL to go (OpenRLHF's per-token KL reward)", (("kl.py", "kl_to_go"),), 30,
         "Implement `kl.kl_to_go`: per token, the sum of the KL estimates from that token to the "
@@ -86,6 +96,8 @@ EXERCISES = [
         "experiment/plot.png`), and answer in experiment/answer.md (at most 300 words): which run "
         "stays closer to the reference, and why, by Table 1? Graded here: the runs and the plot; "
         "the answer by your instructor's rubric.",
-        "Both runs need config.json and metrics.jsonl from train.py with the flags above."),
+        "Both runs need config.json and metrics.jsonl from train.py with the flags above: the "
+        "grader checks that their numbers are train.py's own (they obey its accounting) and "
+        "that the plot is plot.py's figure of them."),
 ]
 BY_ID = {exercise.id: exercise for exercise in EXERCISES}

@@ -7,6 +7,8 @@ laid out in contiguous groups of `group_size` samples of the same prompt. For co
 are one function each.
 """
 
+import math
+
 import torch
 
 
@@ -63,9 +65,10 @@ def truncated_is_loss(logp, behaviour_logp, advantages, mask, num_tokens, cap=8.
     epsilon clip; summed over tokens / num_tokens like policy_loss. Its gradient is -w_t A grad log
     pi(y_t | y<t) where w_t <= cap, else 0; truncated_frac = sum(mask * (w_t > cap)) /
     num_tokens."""
-    ratio = torch.exp(logp - behaviour_logp.detach())
+    log_ratio = logp - behaviour_logp.detach()
     adv = advantages.detach().unsqueeze(-1)
-    # -min(w_t, C) A_t: the truncated importance weight
-    loss = (mask * -torch.clamp(ratio, max=cap) * adv).sum() / num_tokens
-    truncated_frac = (mask * (ratio > cap)).sum().detach() / num_tokens
+    # -min(w_t, C) A_t: the truncated importance weight, as exp(min(log w_t, log C)): the same value
+    # and gradient, and no exp(log w_t) to overflow
+    loss = (mask * -torch.exp(log_ratio.clamp(max=math.log(cap))) * adv).sum() / num_tokens
+    truncated_frac = (mask * (log_ratio > math.log(cap))).sum().detach() / num_tokens
     return loss, truncated_frac

@@ -2,14 +2,26 @@
 
 A checkpoint OUT/step_N (or OUT/final) holds the policy's weights as safetensors (loadable by
 from_pretrained, vLLM, lm-eval), the tokenizer, the AdamW state, every rank's RNG state and queue
-of batches sampled ahead (--async-lag), and trainer_state.json (steps done, prompts consumed, world
-size, the run-defining flags). It is written to a temporary directory and renamed, so a killed save
-leaves no checkpoint behind, and a resumed run continues bit for bit.
+of batches sampled ahead (--async-lag, on the CPU), and trainer_state.json (steps done, prompts
+consumed, world size, the run-defining flags with --dtype resolved). A resumed run continues bit
+for bit.
 
-Runs never mix: a new run needs an empty --out; --resume takes the newest complete checkpoint and
-refuses one written with other run-defining flags (naming them) or by another number of ranks.
+A kill at any moment leaves the last complete checkpoint usable:
+  1. every rank writes its files into OUT/.tmp-NAME; a barrier;
+  2. rank 0 writes trainer_state.json last: a checkpoint is complete once it is there with every
+     rank's files (`missing`);
+  3. an older OUT/NAME (final/ at a resume's end) is renamed OUT/.old-NAME, .tmp-NAME renamed
+     OUT/NAME, then .old-NAME removed.
+At every moment a complete checkpoint with the newest step is on disk under one of the three names;
+`latest` looks at all of them, and `recover` (at --resume, before anything reads --out) finishes a
+replacement that a kill interrupted.
+
+Runs never mix: a new run needs an empty --out; --resume takes the newest complete checkpoint
+(saying which incomplete ones it passed over) and refuses one written with other run-defining flags
+(naming them), by another number of ranks, or in another compute dtype.
 """
 import collections
+import dataclasses
 import json
 import os
 import random
@@ -42,22 +54,83 @@ def flag_changes(saved, args):
             for k in sorted(saved.keys() | now.keys()) if saved.get(k) != now.get(k)]
 
 
+def missing(directory):
+    """The first file the checkpoint `directory` lacks, or None when it is complete."""
+    try:
+        world_size = json.loads((directory / "trainer_state.json").read_text())["world_size"]
+    except (OSError, ValueError, KeyError):  # being written, or not a checkpoint
+        return "trainer_state.json"
+    needed = ["config.json", "optimizer.pt", *(f"{kind}_rank{rank}.pt"
+                                               for rank in range(world_size)
+                                               for kind in ("rng", "queue"))]
+    if not any(directory.glob("*.safetensors")):
+        return "model.safetensors"
+    return next((name for name in needed if not (directory / name).is_file()), None)
+
+
+def step_of(directory):
+    return json.loads((directory / "trainer_state.json").read_text())["step"]
+
+
 def latest(out):
-    """The complete checkpoint (OUT/step_N or OUT/final) with the most steps; a killed save's
-    .tmp-* is none."""
-    done = [p.parent for p in out.glob("*/trainer_state.json")
-            if not p.parent.name.startswith(".tmp-")]
-    return max(done, key=lambda d: json.loads((d / "trainer_state.json").read_text())["step"],
-               default=None)
+    """The complete checkpoint with the most steps: OUT/NAME, or the .tmp-NAME / .old-NAME of a
+    replacement a kill interrupted (OUT/NAME first at the same step); None if there is none."""
+    done = [d for d in out.glob("*") if d.is_dir() and missing(d) is None]
+    return max(done, key=lambda d: (step_of(d), not d.name.startswith(".")), default=None)
+
+
+def retire(directory):
+    """Remove a checkpoint directory, trainer_state.json first: never half a complete one."""
+    (directory / "trainer_state.json").unlink(missing_ok=True)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def replace(path, tmp):
+    """Put the complete checkpoint `tmp` at `path` (steps 3 of the module docstring)."""
+    old = path.parent / f".old-{path.name}"
+    retire(old)
+    if path.exists():
+        os.rename(path, old)
+    os.rename(tmp, path)
+    retire(old)
+
+
+def recover(out):
+    """Finish the replacements a kill interrupted: a complete .tmp-NAME goes to NAME; an .old-NAME
+    is removed where NAME is complete, and otherwise put back."""
+    for tmp in out.glob(".tmp-*"):
+        if missing(tmp) is None:
+            replace(out / tmp.name[len(".tmp-"):], tmp)
+    for old in out.glob(".old-*"):
+        path = out / old.name[len(".old-"):]
+        if path.exists() and missing(path) is None:
+            retire(old)
+        elif missing(old) is None:
+            retire(path)
+            os.rename(old, path)
 
 
 def open_run(args, rank, world_size):
     """(checkpoint to resume or None, its trainer_state or {}), after the checks that keep runs
-    apart. Every rank calls this: rank 0 looks at --out before anyone writes to it."""
+    apart. Every rank calls this: rank 0 looks at --out, and recovers it, before anyone reads it."""
     stop_if_any_rank(f"{args.out} is not empty: pass --resume to continue that run, or another "
                      f"--out" if rank == 0 and not args.resume and args.out.is_dir()
                      and any(args.out.iterdir()) else None)
+    if args.resume and rank == 0 and args.out.is_dir():
+        recover(args.out)
+    barrier()
     checkpoint = latest(args.out) if args.resume else None
+    # named checkpoints newer than that one but incomplete (a rank's files lost): passed over, or
+    # the run stops rather than start again from nothing
+    newer = step_of(checkpoint) if checkpoint else -1
+    broken = [d / missing(d) for d in sorted(args.out.glob("[!.]*")) if args.resume
+              and (d / "trainer_state.json").is_file() and missing(d) and step_of(d) > newer]
+    if broken and checkpoint is None:
+        stop_if_any_rank(f"{broken[0]} is missing: the checkpoint is incomplete and no older one "
+                         f"is; remove it to start again, or use another --out")
+    if broken and rank == 0:
+        print(f"passing over incomplete checkpoints ({', '.join(map(str, broken))} missing): "
+              f"resuming {checkpoint}")
     if checkpoint is None:
         return None, {}
     trainer_state = json.loads((checkpoint / "trainer_state.json").read_text())
@@ -68,8 +141,6 @@ def open_run(args, rank, world_size):
     if trainer_state["world_size"] != world_size:
         fail(f"{checkpoint} was written by {trainer_state['world_size']} ranks; "
              f"resume with as many")
-    stop_if_any_rank(f"{checkpoint / f'rng_rank{rank}.pt'} is missing: the checkpoint is incomplete"
-                     if not (checkpoint / f"rng_rank{rank}.pt").exists() else None)
     return checkpoint, trainer_state
 
 
@@ -95,13 +166,20 @@ def load(checkpoint, policy, optimizer, generator, rank):
     set_optimizer_state_dict(policy, optimizer, torch.load(checkpoint / "optimizer.pt", mmap=True),
                              options=StateDictOptions(full_state_dict=True))
     set_rng_state(torch.load(checkpoint / f"rng_rank{rank}.pt", weights_only=False), generator)
-    queue = checkpoint / f"queue_rank{rank}.pt"
-    return collections.deque(torch.load(queue, weights_only=False) if queue.exists() else [])
+    device = next(policy.parameters()).device
+    queue = torch.load(checkpoint / f"queue_rank{rank}.pt", weights_only=False, map_location="cpu")
+    return collections.deque(on_device(batch, device) for batch in queue)
+
+
+def on_device(batch, device):
+    """A batch of the --async-lag queue with its rollout's tensors on `device`."""
+    out = batch["out"]
+    tensors = {field.name: getattr(out, field.name).to(device) for field in dataclasses.fields(out)}
+    return {**batch, "out": dataclasses.replace(out, **tensors)}
 
 
 def save(path, policy, tokenizer, optimizer, generator, queue, trainer_state, rank):
-    """Write the checkpoint `path` (all ranks call this): to path/../.tmp-NAME, then renamed to
-    path."""
+    """Write the checkpoint `path` (all ranks call this), as the module docstring says."""
     tmp = path.parent / f".tmp-{path.name}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -112,14 +190,16 @@ def save(path, policy, tokenizer, optimizer, generator, queue, trainer_state, ra
     weights = get_model_state_dict(policy, options=options)
     optimizer_state = get_optimizer_state_dict(policy, optimizer, options=options)
     torch.save(rng_state(generator), tmp / f"rng_rank{rank}.pt")
-    torch.save(list(queue), tmp / f"queue_rank{rank}.pt")  # sampled ahead, not yet trained on
+    # sampled ahead, not yet trained on; on the CPU, so any device can resume it
+    torch.save([on_device(batch, "cpu") for batch in queue], tmp / f"queue_rank{rank}.pt")
     if rank == 0:
         unwrap(policy).save_pretrained(tmp, state_dict=weights)
         tokenizer.save_pretrained(tmp)
         torch.save(optimizer_state, tmp / "optimizer.pt")
+    barrier()  # every rank's files are written
+    if rank == 0:
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
-        shutil.rmtree(path, ignore_errors=True)
-        os.rename(tmp, path)
+        replace(path, tmp)
     barrier()
 
 

@@ -51,6 +51,8 @@ import torch
 KINDS = ("k1", "k2", "k3")
 PLACES = ("reward", "loss", "both", "none", "weighted")
 CLAMPS = ("none", "verl")  # verl's low_var_kl bounds on K3, as the paper's on-policy runs had them
+# off_policy_kl_loss caps w at e^30 (1e13): one sequence's update past it overflows fp32
+MAX_LOG_W = 30.0
 
 
 def _check(kind, place):
@@ -108,19 +110,38 @@ def kl_loss(logp, ref_logp, mask, kind, place, beta, num_tokens, clamp="none"):
     return beta * (mask * kl).sum() / num_tokens
 
 
-def off_policy_kl_loss(logp, behaviour_logp, ref_logp, mask, beta, num_tokens):
+def off_policy_kl_loss(logp, behaviour_logp, ref_logp, mask, beta, num_tokens,
+                       max_log_w=MAX_LOG_W, log_normalizer=0.0):
     """The KL term for samples of a behaviour policy mu != pi: beta sum_i w_i sg[K1_i] / num_tokens.
 
-    w_i = prod_t pi/mu over sequence i's tokens is the sequence-level importance weight,
-    differentiable in `logp`; K1_i = sum_t log pi/pi_ref is detached. E_mu[w K1] = E_pi[K1] = KL,
-    and grad (w sg[K1]) = w K1 grad log pi(y), whose expectation under mu is E_pi[K1 grad log pi(y)]
-    = grad KL(pi || pi_ref): unbiased off-policy, where every configuration of Table 1 is biased
-    (test_kl.py enumerates both). On-policy (mu = pi) its gradient is K1-in-reward's. `mask` may
-    carry weights; w uses mask > 0.
+    w_i = prod_t pi/mu over sequence i's tokens is the sequence-level importance weight; K1_i =
+    sum_t log pi/pi_ref is detached. E_mu[w K1] = E_pi[K1] = KL, and grad (w sg[K1]) = w K1 grad
+    log pi(y), whose expectation under mu is E_pi[K1 grad log pi(y)] = grad KL(pi || pi_ref):
+    unbiased off-policy, where every configuration of Table 1 is biased (test_kl.py enumerates
+    both). On-policy (mu = pi) its gradient is K1-in-reward's. `mask` may carry weights; w uses
+    mask > 0.
+
+    w is taken from log w in float64 and enters as sg[w] exp(log w - sg[log w]): the value w, the
+    gradient w grad log pi(y), and no exp(log w) that can overflow. Its variance controls
+    (train.py's --is-weight; their bias on the toy model: docs/toy.md):
+      max_log_w       w capped at e^max_log_w. The default MAX_LOG_W keeps one sequence's update
+                      finite in fp32 (a weight past it is an estimate no step could carry); log C
+                      is the truncated weight min(w, C), biased by E_mu[(w - C)+ K1 grad log pi].
+      log_normalizer  log of the batch's mean weight, for the self-normalized w_i / mean_j w_j
+                      (biased, consistent: O(1/n)); 0 for none.
     """
-    log_w = ((logp - behaviour_logp.detach()) * (mask > 0)).sum(-1)
+    log_w = log_importance_weights(logp, behaviour_logp, mask)
     k1 = (mask * (logp - ref_logp).detach()).sum(-1)
-    return beta * (log_w.exp() * k1).sum() / num_tokens
+    w = (log_w.detach().double() - log_normalizer).clamp(max=max_log_w).exp()
+    # sg[w] exp(log w - sg[log w]) = w, with gradient w grad log w = w grad log pi(y)
+    weighted = w * k1.double() * torch.exp(log_w - log_w.detach())
+    return beta * weighted.sum().to(logp.dtype) / num_tokens
+
+
+def log_importance_weights(logp, behaviour_logp, mask):
+    """log w_i = sum_t log pi/mu over sequence i's tokens (mask > 0), (B,), differentiable in
+    `logp`."""
+    return ((logp - behaviour_logp.detach()) * (mask > 0)).sum(-1)
 
 
 def kl_to_go(logp, ref_logp, mask, kind, clamp="none"):

@@ -1,9 +1,10 @@
 """Tests that need a CUDA GPU (and, for the flash branch, flash-attn): `pytest -m gpu -q` on a GPU
 machine.
 
-On a CPU they skip with the reason. They check the two CUDA-only branches the CPU suite cannot
-reach: the sampler's flash_attn_with_kvcache path against its SDPA path on the same cache, and a
-bf16 training step of train.py on CUDA (NCCL is not needed: one process).
+On a CPU they skip with the reason. They check the CUDA-only branches the CPU suite cannot
+reach: the sampler's flash_attn_with_kvcache path against its SDPA path on the same cache, a
+bf16 training step of train.py on CUDA (NCCL is not needed: one process), and an --async-lag
+queue saved from CUDA onto the CPU and resumed.
 """
 import json
 import os
@@ -82,3 +83,20 @@ def test_bf16_train_step_on_cuda(tmp_path, letter_model):
     for row in rows:
         assert all(v is None or not isinstance(v, float) or v == v for v in row.values())  # no NaN
         assert abs(row["mismatch_kl"]) < 0.05 and row["skipped"] == 0
+
+
+def test_async_queue_is_saved_on_the_cpu_and_resumes_on_cuda(tmp_path, letter_model):
+    """--async-lag 2 on CUDA: the checkpoint's queue of batches sampled ahead holds CPU tensors
+    (loadable on any device, or none), and --resume puts them back on the GPU and finishes."""
+    task = letter_model(tmp_path)["task"]
+    argv = ["--kl", "k1", "--place", "weighted", "--model", str(tmp_path / "model"),
+            "--task", str(task), "--group-size", "4", "--prompts-per-step", "4",
+            "--max-new-tokens", "5", "--async-lag", "2", "--loss", "truncated",
+            "--lr", "1e-2", "--out", str(tmp_path / "run")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    for extra in (["--steps", "1"], ["--steps", "2", "--resume"]):
+        result = subprocess.run([sys.executable, str(ROOT / "train.py"), *argv, *extra], cwd=ROOT,
+                                capture_output=True, text=True, timeout=600, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        queue = torch.load(tmp_path / "run" / "final" / "queue_rank0.pt", weights_only=False)
+        assert len(queue) == 2 and all(batch["out"].tokens.device.type == "cpu" for batch in queue)

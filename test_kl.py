@@ -8,12 +8,14 @@ tokens.
 """
 
 import itertools
+import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from advantage import group_mean, group_normalized, policy_loss, rloo, truncated_is_loss
+import kl as kl_module
 from kl import KINDS, PLACES, estimate, kl_loss, kl_to_go, off_policy_kl_loss, shape_rewards
 
 f64 = torch.float64
@@ -575,3 +577,32 @@ def test_toy_expected_gradient_is_table1(T, theta, ref, beta):
                 ("k1", "both"): refs["true"], ("k2", "loss"): refs["k2_path"]}
     for (kind, place), value in expected.items():
         assert close(toy_module.expected_gradient(kind, place, T, theta, ref), value), (kind, place)
+
+
+@pytest.mark.parametrize("log_w", [90.0, 1000.0])
+def test_off_policy_kl_loss_at_huge_weights(log_w):
+    """A sequence whose w = prod_t pi/mu is e^90 (exp overflows fp32 from e^88.7) or e^1000
+    (float64's too): the loss and gradient stay finite and are what each weight says. exact caps w
+    at e^MAX_LOG_W (30), truncated at C = 8, self-normalized divides by the batch's mean w; the
+    gradient on each token is beta w_i K1_i / num_tokens (d log w_i / d logp_t = 1)."""
+    T, beta, num_tokens = 4, 0.5, 8
+    logp = torch.full((2, T), -1.0, requires_grad=True)  # fp32, as in training
+    ref_logp = torch.full((2, T), -1.5)  # K1 = 0.5 per token, 2 per sequence
+    behaviour_logp = logp.detach() - torch.tensor([[log_w / T], [0.0]])  # log w = (log_w, 0)
+    mask = torch.ones(2, T)
+    log_mean_w = torch.tensor([log_w, 0.0], dtype=torch.float64).logsumexp(0).item() - math.log(2)
+    for max_log_w, log_normalizer, w in [
+        (kl_module.MAX_LOG_W, 0.0, (math.exp(30), 1.0)),  # exact (the default), capped
+        (math.log(8), 0.0, (8.0, 1.0)),  # truncated
+        (kl_module.MAX_LOG_W, log_mean_w, (2.0, 2 * math.exp(-log_w))),  # self-normalized
+    ]:
+        loss = off_policy_kl_loss(logp, behaviour_logp, ref_logp, mask, beta, num_tokens,
+                                  max_log_w, log_normalizer)
+        (grad,) = torch.autograd.grad(loss, logp)
+        want = torch.tensor(w)[:, None].expand(2, T) * beta * 2 / num_tokens
+        assert torch.isfinite(loss) and torch.isfinite(grad).all()
+        assert loss.item() == pytest.approx(sum(w) * beta * 2 / num_tokens, rel=1e-6)
+        assert torch.allclose(grad, want.float(), rtol=1e-5, atol=0), (max_log_w, grad)
+    # the default is exact
+    loss = off_policy_kl_loss(logp, behaviour_logp, ref_logp, mask, beta, num_tokens)
+    assert loss.item() == pytest.approx((math.exp(30) + 1) * beta * 2 / num_tokens, rel=1e-6)

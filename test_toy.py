@@ -98,3 +98,34 @@ def test_off_policy_weighted_gradient_is_unbiased_and_what_it_costs(fast_run):
     assert rows[2]["variance"] > 100 * rows[0]["variance"] and rows[2]["second_moment_w"] > 100
     saved = json.loads((fast_run / "offpolicy.json").read_text())
     assert [row["drift"] for row in saved] == [0.0, 0.25, 0.5, 1.0, 2.0]
+
+
+def test_weight_controls_trade_bias_for_variance():
+    """--is-weight on the toy: exact is unbiased at every drift; truncated (C = 8) is exact until
+    a weight passes C, then biased; self-normalized's batch gradient equals kl.off_policy_kl_loss
+    with the batch's log mean weight, is unbiased at drift 0 (w = 1) and biased far from it. Both
+    cost far less variance than the exact weight at drift 2."""
+    import kl
+
+    rows = {row["drift"]: row for row in toy.weight_controls(4, (0.0, 1.0, 2.0), batches=2000)}
+    assert all(row["exact"]["bias"] < 1e-9 for row in rows.values())
+    assert rows[0.0]["truncated"]["bias"] < 1e-9 and rows[2.0]["truncated"]["bias"] > 0.05
+    assert rows[0.0]["self_normalized"]["bias"] < 3 * rows[0.0]["self_normalized"]["bias_stderr"]
+    far = rows[2.0]["self_normalized"]
+    assert far["bias"] > 5 * far["bias_stderr"]
+    assert max(rows[2.0]["truncated"]["variance"], far["variance"]) < rows[2.0]["exact"]["variance"]
+    # one batch through the real loss: sum_i w_i / mean_j w_j K1_i grad log pi(y_i) / n
+    T, n = 4, 6
+    y = torch.tensor(list(itertools.product([0.0, 1.0], repeat=T)), dtype=torch.float64)[:n]
+    a, b = (torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in toy.THETA)
+    logp = toy.bernoulli_logp(toy.toy_logits(a, b, y), y)
+    ref_logp = toy.bernoulli_logp(toy.toy_logits(*toy.REF, y), y)
+    mu_logp = toy.bernoulli_logp(toy.toy_logits(toy.THETA[0] + 1.0, toy.THETA[1], y), y)
+    log_w = (logp - mu_logp).sum(-1).detach()
+    log_mean_w = (log_w.logsumexp(0) - torch.log(torch.tensor(float(n)))).item()
+    ones = torch.ones(n, T, dtype=torch.float64)
+    loss = kl.off_policy_kl_loss(logp, mu_logp, ref_logp, ones, 1.0, n, log_normalizer=log_mean_w)
+    got = torch.stack(torch.autograd.grad(loss, (a, b), retain_graph=True))
+    k1 = (logp - ref_logp).sum(-1).detach()
+    by_hand = ((log_w.exp() / log_w.exp().mean()) * k1 * logp.sum(-1)).sum() / n
+    assert torch.allclose(got, torch.stack(torch.autograd.grad(by_hand, (a, b))), atol=1e-12)

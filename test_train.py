@@ -10,14 +10,19 @@ this file as a module (`torchrun -m test_train ...`), which applies the same tes
               and 2 processes);
 - kill_save:  SIGKILL the process in the middle of its second checkpoint save (weights written, no
               rename).
+- late_rank1: rank 1 writes its checkpoint files 1 s late (a loaded node, a slow filesystem);
+- kill_final: SIGKILL rank 0 as it renames a checkpoint into OUT/final, the old final/ already moved
+              out of the way (the window a replacement must survive).
 """
 import functools
 import importlib.util
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,6 +75,25 @@ def apply_patches(names, setattr):
                 os.kill(os.getpid(), signal.SIGKILL)
 
         setattr(transformers.PreTrainedModel, "save_pretrained", save_then_die)
+    if "late_rank1" in names and os.environ.get("RANK") == "1":
+        save = torch.save
+
+        def late_save(obj, path, *args, **kwargs):
+            time.sleep(1.0)
+            return save(obj, path, *args, **kwargs)
+
+        setattr(torch, "save", late_save)
+    if "kill_final" in names:
+        import checkpoint
+
+        rename = os.rename
+
+        def die_before_final(source, target):
+            if Path(target).name == "final" and os.environ.get("RANK", "0") == "0":
+                os.kill(os.getpid(), signal.SIGKILL)
+            rename(source, target)
+
+        setattr(checkpoint.os, "rename", die_before_final)
 
 
 # ---------------------------------------------------------------- fixtures and helpers
@@ -113,8 +137,8 @@ def train(argv, patches=(), **setattrs):
         run["policy"], run["sampler"] = policy, make_sampler(policy, *rest)
         return run["sampler"]
 
-    def record_logprobs(model, prompts, tokens, mask, *rest):
-        logp, entropy = no_grad_logprobs(model, prompts, tokens, mask, *rest)
+    def record_logprobs(model, prompts, tokens, mask, *rest, **kwargs):
+        logp, entropy = no_grad_logprobs(model, prompts, tokens, mask, *rest, **kwargs)
         if model is not run["policy"]:
             run.update(reference=model, ref_logp=logp)
         elif len(prompts) >= len(run.get("prompts", ())):  # the step's first pass: the whole batch
@@ -534,6 +558,149 @@ def test_a_rank_that_must_stop_stops_every_rank(tiny, tmp_path):
         result.stderr[-3000:])
 
 
+def test_a_rank_that_saves_late(tiny, tmp_path):
+    """torchrun x2, rank 1 writing its RNG and queue files 1 s after rank 0 is done: every
+    checkpoint is complete (nothing renamed before every rank's files are in) and nothing is left
+    in a temporary directory."""
+    import checkpoint
+
+    result = run_module(flags(tiny, tmp_path, "--steps", "2", "--save-every", "1"),
+                        patches=("late_rank1",), procs=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["final", "step_1",
+                                                                       "step_2"]
+    for name in ("step_1", "step_2", "final"):
+        assert checkpoint.missing(tmp_path / name) is None, name
+
+
+def test_a_kill_while_final_is_replaced_loses_nothing(tiny, tmp_path):
+    """torchrun x2, --save-every 0: 1 step, then --resume to 2 steps, killed as the new final/
+    takes the old one's place. A complete checkpoint is still there (the new one), --resume
+    finishes the replacement, and the run ends where a straight 2-step run ends, metrics and all."""
+    import checkpoint
+
+    assert run_module(flags(tiny, tmp_path / "straight", "--steps", "2"), procs=2).returncode == 0
+    out = tmp_path / "killed"
+    assert run_module(flags(tiny, out, "--steps", "1"), procs=2).returncode == 0
+    killed = run_module(flags(tiny, out, "--steps", "2", "--resume"), patches=("kill_final",),
+                        procs=2)
+    assert killed.returncode != 0 and not (out / "final").exists()
+    newest = checkpoint.latest(out)  # None if the replacement lost both
+    assert newest is not None and checkpoint.step_of(newest) == 2
+    result = run_module(flags(tiny, out, "--steps", "2", "--resume"), procs=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["final"]
+    assert checkpoint.step_of(out / "final") == 2
+    assert_same(weights(out / "final"), weights(tmp_path / "straight" / "final"), atol=0)
+    assert without_timings(metrics(out)) == without_timings(metrics(tmp_path / "straight"))
+
+
+def test_resume_refuses_another_resolved_dtype(tiny, tmp_path):
+    """--dtype auto is stored as what it resolved to: a resume where auto means another dtype
+    (a checkpoint from an AVX512-BF16 machine on an AVX2-only one) is refused with one line."""
+    import runtime
+
+    extra = ("--dtype", "auto", "--steps", "1")
+    train(flags(tiny, tmp_path, *extra), runtime__bf16_is_native=lambda device: False)
+    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "float32"
+    with pytest.raises(SystemExit) as error:
+        train(flags(tiny, tmp_path, *extra, "--resume"),
+              runtime__bf16_is_native=lambda device: True)
+    message = str(error.value.code)
+    assert "--dtype: float32 -> bfloat16" in message and "\n" not in message
+    train(flags(tiny, tmp_path, *extra, "--resume"), runtime__bf16_is_native=lambda device: False)
+
+
+def test_entropy_only_where_it_is_read(tiny, tmp_path):
+    """The entropy (a (B, T, vocab) temporary) is computed in the policy's first no-grad pass only,
+    which logs it: not in the reference pass, a later minibatch's pass or the gradient pass."""
+    import train as trainer
+
+    token_logprobs, calls = trainer.token_logprobs, []
+
+    def recording(model, *args, **kwargs):
+        calls.append((model, torch.is_grad_enabled(), bool(args[5:] and args[5]
+                                                           or kwargs.get("entropy"))))
+        return token_logprobs(model, *args, **kwargs)
+
+    run = train(flags(tiny, tmp_path, "--steps", "1", "--minibatches", "2", "--micro-batch", "8",
+                      "--dtype", "bfloat16"), train__token_logprobs=recording)
+    with_entropy = [(model, grad) for model, grad, entropy in calls if entropy]
+    assert with_entropy == [(run["policy"], False)] * 2  # 16 rows, micro-batches of 8
+    assert any(model is run["reference"] for model, _, _ in calls)
+    assert metrics(tmp_path)[0]["entropy"] > 0
+
+
+@pytest.mark.parametrize("behaviour", ["sampler", "trainer"])
+def test_the_ratio_is_against_the_policy_that_sampled(tiny, tmp_path, behaviour):
+    """At lag 0 with --minibatches 2 and --place weighted, mu in the PPO ratio and in w is the
+    sampler's own log-probs (here moved 0.01 per token from the trainer's), or with --behaviour
+    trainer the fp32 pass at the same weights."""
+    import advantage
+    import kl
+    import rollout
+
+    generate, policy_loss, weighted = rollout.generate, advantage.policy_loss, kl.off_policy_kl_loss
+    outs, seen = [], {"ppo": [], "weighted": []}
+
+    def shifted_generate(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        outs.append(rollout.Rollout(out.tokens, out.token_logprobs - 0.01 * out.response_mask,
+                                    out.response_mask))
+        return outs[-1]
+
+    def recording_policy_loss(logp, old_logp, *args):
+        seen["ppo"].append(old_logp)
+        return policy_loss(logp, old_logp, *args)
+
+    def recording_weighted(logp, behaviour_logp, *args):
+        seen["weighted"].append(behaviour_logp)
+        return weighted(logp, behaviour_logp, *args)
+
+    run = train(flags(tiny, tmp_path, "--steps", "1", "--minibatches", "2", "--micro-batch", "8",
+                      "--place", "weighted", "--behaviour", behaviour),
+                rollout__generate=shifted_generate, advantage__policy_loss=recording_policy_loss,
+                kl__off_policy_kl_loss=recording_weighted)
+    want = outs[0].token_logprobs if behaviour == "sampler" else run["old_logp"]
+    for key in ("ppo", "weighted"):
+        assert torch.equal(torch.cat(seen[key]), want), key
+    # the logged weights: log w = sum_t log pi/mu = 0.01 per token against the sampler
+    row = metrics(tmp_path)[0]
+    per_token = 0.01 if behaviour == "sampler" else 0.0
+    longest = outs[0].response_mask.sum(1).max().item()
+    assert row["log_w_max"] == pytest.approx(per_token * longest, abs=1e-4)
+
+
+@pytest.mark.parametrize("log_w, is_weight", [(90.0, "exact"), (1000.0, "exact"),
+                                              (1000.0, "truncated"), (1000.0, "self-normalized")])
+def test_weighted_kl_survives_a_huge_importance_weight(tiny, tmp_path, log_w, is_weight):
+    """--async-lag 1 --place weighted, the sampler's log-probs of one sequence lowered so its
+    w = prod_t pi/mu is e^90 or e^1000 (exp in fp32 overflows from e^89): the update happens (an
+    exact w capped at e^30, a truncated one at 8, a self-normalized one at most n), the policy
+    moves, and log_w_max reports it."""
+    import rollout
+
+    generate = rollout.generate
+
+    def one_unlikely_sequence(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        mask = out.response_mask
+        lowered = out.token_logprobs.clone()
+        lowered[0] -= log_w / mask[0].sum() * mask[0]
+        return rollout.Rollout(out.tokens, lowered, mask)
+
+    train(flags(tiny, tmp_path, "--steps", "2", "--async-lag", "1", "--place", "weighted",
+                "--lr", "1e-2", "--loss", "truncated", "--is-weight", is_weight),
+          rollout__generate=one_unlikely_sequence)
+    rows = metrics(tmp_path)
+    assert [row["skipped"] for row in rows] == [0, 0]
+    assert all(math.isfinite(row["kl_loss"]) and math.isfinite(row["grad_norm"]) for row in rows)
+    assert rows[0]["log_w_max"] == pytest.approx(log_w, rel=1e-3)
+    assert rows[0]["is_ess"] == pytest.approx(1 / 16)  # one sequence carries all the weight
+    assert not all(torch.equal(a, b) for a, b in zip(weights(tmp_path / "final").values(),
+                                                     tiny["initial"].values()))
+
+
 @pytest.mark.parametrize("bad, named", [
     (["--group-size", "1"], "--group-size"),
     (["--beta", "-0.1"], "--beta"),
@@ -543,6 +710,7 @@ def test_a_rank_that_must_stop_stops_every_rank(tiny, tmp_path):
     (["--top-p", "0.9"], "--top-p < 1"),
     (["--kl", "k3", "--place", "weighted"], "--place weighted"),
     (["--async-lag", "-1"], "--async-lag"),
+    (["--async-lag", "1", "--behaviour", "trainer"], "--behaviour trainer"),
 ])
 def test_bad_flags_fail_with_one_line(tiny, tmp_path, bad, named):
     with pytest.raises(SystemExit) as error:

@@ -11,18 +11,20 @@ Binary sequences y_1..y_T from p_t = sigmoid(a + b c_{t-1}), c_{t-1} = y_1 + ...
    gradient, summing over all 2^T sequences. Where it lands is Table 1's "Behavior" column.
 
     python toy.py --out DIR
-        # figure1.{json,png}, converge.{json,png} and two tables; ~1.5 min on 2 cores
+        # figure1.{json,png}, converge.{json,png}, offpolicy.{json,png}, weight_controls.json
+        # and their tables; ~1.5 min on 2 cores
 """
 
 import argparse
 import json
+import math
 import pathlib
 
 import torch
 import torch.nn.functional as F
 
 from advantage import policy_loss
-from kl import estimate, kl_loss, kl_to_go, off_policy_kl_loss, shape_rewards
+from kl import MAX_LOG_W, estimate, kl_loss, kl_to_go, off_policy_kl_loss, shape_rewards
 
 parser = argparse.ArgumentParser(description="The paper's toy model: Fig. 1 and where each KL "
                                              "configuration converges.")
@@ -242,6 +244,46 @@ def off_policy_variance(T, drifts):
     return rows
 
 
+def weight_controls(T, drifts, cap=8.0, n=32, batches=20000, seed=0):
+    """What the variance controls of --is-weight give up (kl.off_policy_kl_loss, beta = 1): samples
+    of mu = A with its `a` moved by `drift`, gradient of KL(A || B) in (a, b), a batch of n
+    sequences. Per weight: the relative bias ||E[g] - grad KL|| / ||grad KL|| and the variance
+    (trace) of the batch's gradient g. exact (w) and truncated (min(w, cap)) are exact over 2^T
+    sequences; self-normalized (w_i / mean_j w_j) is biased by the batch's own normalizer, so its
+    mean is over `batches` sampled batches (with the bias's standard error)."""
+    y, _ = all_sequences(T)
+    a, b = (torch.tensor(v, dtype=f64, requires_grad=True) for v in THETA)
+    logp = bernoulli_logp(toy_logits(a, b, y), y)
+    ref_logp = bernoulli_logp(toy_logits(torch.tensor(REF[0], dtype=f64), REF[1], y), y)
+    true = torch.stack(torch.autograd.grad(exact_kl(a, b, T), (a, b)))
+    generator, ones, rows = torch.Generator().manual_seed(seed), torch.ones(1, T, dtype=f64), []
+    for drift in drifts:
+        mu_logp = bernoulli_logp(toy_logits(THETA[0] + drift, THETA[1], y), y)
+        mu = mu_logp.sum(-1).exp()
+        row = {"drift": drift}
+        for name, max_log_w in (("exact", MAX_LOG_W), ("truncated", math.log(cap))):
+            grads = torch.stack([torch.stack(torch.autograd.grad(off_policy_kl_loss(
+                logp[i:i + 1], mu_logp[i:i + 1], ref_logp[i:i + 1], ones, 1.0, 1, max_log_w),
+                (a, b), retain_graph=True)) for i in range(len(y))])
+            mean, variance = moments(grads, mu)
+            row[name] = {"bias": ((mean - true).norm() / true.norm()).item(),
+                         "variance": variance / n}
+            if name == "exact":  # w_i K1_i grad log pi(y_i): h_i, the same without its weight
+                log_w = (logp.detach() - mu_logp).sum(-1)
+                h = grads / log_w.exp()[:, None]
+        # the self-normalized gradient of a batch: mean_i (w_i / mean_j w_j) h_i
+        batch = torch.multinomial(mu, batches * n, True, generator=generator).view(batches, n)
+        w = (log_w[batch] - log_w[batch].logsumexp(1, keepdim=True)).exp() * n
+        estimates = (w[..., None] * h[batch]).mean(1)
+        mean = estimates.mean(0)
+        row["self_normalized"] = {
+            "bias": ((mean - true).norm() / true.norm()).item(),
+            "bias_stderr": (estimates.std(0).norm() / batches ** 0.5 / true.norm()).item(),
+            "variance": estimates.var(0).sum().item()}
+        rows.append(row)
+    return rows
+
+
 def plot(fig1, conv, history, out):
     import matplotlib
     matplotlib.use("Agg")
@@ -328,6 +370,15 @@ def main(argv=None):
         print(f"{row['drift']:>10}{row['bias']:>12.1e}{row['variance']:>12.4f}"
               f"{row['second_moment_w']:>12.3f}")
 
+    controls = weight_controls(4 if args.fast else 8, drifts, batches=2000 if args.fast else 20000)
+    print("\n--is-weight on the same samples, a batch of 32: relative bias | variance of the "
+          "batch's gradient")
+    print(f"{'drift':>10}{'exact':>22}{'truncated (C = 8)':>22}{'self-normalized':>22}")
+    for row in controls:
+        print(f"{row['drift']:>10}" + "".join(
+            f"{row[name]['bias']:>11.4f} |{row[name]['variance']:>9.3f}"
+            for name in ("exact", "truncated", "self_normalized")))
+
     print("\nK1 in the reward, one sequence's gradient: variance with the whole sequence's K1 "
           "| with the K1 to go")
     for T in (1, 2, 4, 8) if args.fast else (1, 2, 4, 8, 16):
@@ -335,6 +386,7 @@ def main(argv=None):
         print(f"{'T = ' + str(T):>10}{whole:>12.4f}{to_go:>12.4f}   {to_go / whole:.2f}x")
 
     (out / "offpolicy.json").write_text(json.dumps(offpolicy, indent=1))
+    (out / "weight_controls.json").write_text(json.dumps(controls, indent=1))
     (out / "figure1.json").write_text(json.dumps(fig1, indent=1))
     (out / "converge.json").write_text(json.dumps(conv, indent=1))
     plot(fig1, conv, history, out)

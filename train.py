@@ -96,12 +96,24 @@ group.add_argument("--advantage", default="rloo", choices=ADVANTAGES,
                         "the asynchronous runs of sec. 4.2); grpo = group mean and std")
 group = parser.add_argument_group("asynchronous RL (sec. 4.2)")
 group.add_argument("--async-lag", type=int, default=0,
-                   help="train on batches sampled N updates earlier (prime-rl's async level; "
-                        "paper: 10); 0 = on-policy")
+                   help="train on batches sampled N steps earlier, by the weights of N batches ago "
+                        "(prime-rl's async level, always its most; with --minibatches k that is "
+                        "N * k updates; paper: 10); 0 = on-policy")
+group.add_argument("--behaviour", default="sampler", choices=("sampler", "trainer"),
+                   help="mu of every importance ratio (--minibatches > 1, --async-lag, --place "
+                        "weighted): sampler = the log-probs the sampler drew with, trainer = the "
+                        "fp32 trainer's at the weights that sampled (lag 0 only)")
 group.add_argument("--loss", default="ppo", choices=("ppo", "truncated"),
                    help="ppo = PPO clip (eq. 4); truncated = prime-rl's -min(w, C) A per token, "
                         "w against the log-probs of the sampler")
-group.add_argument("--is-cap", type=float, default=8.0, help="C of --loss truncated (prime-rl: 8)")
+group.add_argument("--is-cap", type=float, default=8.0,
+                   help="C of --loss truncated (prime-rl: 8) and of --is-weight truncated")
+group.add_argument("--is-weight", default="exact",
+                   choices=("exact", "truncated", "self-normalized"),
+                   help="w of --place weighted: exact = prod_t pi/mu (unbiased; capped at e^30, "
+                        "past which an update overflows), truncated = min(w, --is-cap), "
+                        "self-normalized = w / mean w over the minibatch (both biased, less "
+                        "variance: docs/toy.md)")
 group = parser.add_argument_group("sampling")
 group.add_argument("--max-new-tokens", type=int, default=40,
                    help="response length cap (paper: 1024)")
@@ -172,6 +184,9 @@ def check_flags(args, world_size):
         (args.temperature > 0, "--temperature must be > 0"),
         (args.async_lag >= 0 and args.is_cap > 0, "--async-lag must be >= 0, --is-cap > 0"),
         (args.place != "weighted" or args.kl == "k1", "--place weighted weights K1: use --kl k1"),
+        (args.behaviour == "sampler" or not args.async_lag,
+         "--behaviour trainer needs --async-lag 0: the weights that sampled N steps ago are gone, "
+         "the sampler's log-probs are the only record of mu"),
         (args.top_p == 1, "--top-p < 1 is for eval.py: the trainer's log-probs, ratio and KL are "
                           "under the full softmax, so they would describe another distribution "
                           "than the one sampled"),
@@ -252,15 +267,18 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
     return logp * response_mask, entropy * response_mask
 
 
-def no_grad_logprobs(model, prompts, responses, response_mask, temperature, dtype, micro_batch):
-    """token_logprobs and entropies of the whole batch, micro-batch by micro-batch, no gradient."""
+def no_grad_logprobs(model, prompts, responses, response_mask, temperature, dtype, micro_batch,
+                     entropy=False):
+    """token_logprobs (and with entropy=True the entropies, else None) of the whole batch,
+    micro-batch by micro-batch, no gradient."""
     parts = []
     with torch.no_grad():
         for start in range(0, len(prompts), micro_batch):
             rows = slice(start, start + micro_batch)
             parts.append(token_logprobs(model, prompts[rows], responses[rows], response_mask[rows],
-                                        temperature, dtype, entropy=True))
-    return torch.cat([logp for logp, _ in parts]), torch.cat([entropy for _, entropy in parts])
+                                        temperature, dtype, entropy))
+    logp, entropies = zip(*parts)
+    return torch.cat(logp), torch.cat(entropies) if entropy else None
 
 
 @torch.no_grad()
@@ -275,6 +293,17 @@ def sampler_vs_trainer(sampler_logp, logp, mask, device):
             "ratio": (mask * ratio).sum().item(),
             "ratio_outside": (mask * ((ratio < 0.5) | (ratio > 2))).sum().item()}
     return sums, runtime.all_reduce_max((mask * ratio).max().item(), device)
+
+
+def importance_weights(log_w, device):
+    """Over all ranks' sequences: the largest log w, log mean w (by logsumexp: no overflow), and
+    the effective sample size of w as a fraction of n, (sum w)^2 / (n sum w^2) in (0, 1]."""
+    top = runtime.all_reduce_max(log_w.max().item(), device)
+    scaled = (log_w.double() - top).exp()  # in (0, 1]
+    sums = runtime.all_reduce_sums({"w": scaled.sum().item(), "w2": (scaled ** 2).sum().item(),
+                                    "n": len(log_w)}, device)
+    return {"log_w_max": top, "log_mean_w": top + math.log(sums["w"] / sums["n"]),
+            "is_ess": sums["w"] ** 2 / (sums["n"] * sums["w2"])}
 
 
 def evaluate_pass1(args, sampler, tokenizer, eval_sets, batch_size, rank, world_size):
@@ -319,6 +348,7 @@ def main(argv=None):
 
     # ---------------------------------------------------------------- set-up
     rank, world_size, device, dtype = runtime.start(args.dtype)
+    args.dtype = str(dtype).removeprefix("torch.")  # "auto" resolved: a resume must compute alike
     logprob_dtype = getattr(torch, args.logprob_dtype)
     print0 = print if rank == 0 else lambda *a, **k: None
     random.seed(args.seed)
@@ -361,6 +391,9 @@ def main(argv=None):
         print0(rollout.flash_attn_status()[1])
 
     G, temperature = args.group_size, args.temperature
+    # --place weighted's w: capped at e^30 (exact), or at C (truncated); self-normalized
+    max_log_w = math.log(args.is_cap) if args.is_weight == "truncated" else kl.MAX_LOG_W
+    self_normalized = args.place == "weighted" and args.is_weight == "self-normalized"
     prompts_per_rank = args.prompts_per_step // world_size
     bad_in_a_row = 0
     steps = range(start_step + 1, args.steps + 1)
@@ -399,7 +432,7 @@ def main(argv=None):
         # policy and reference, in --logprob-dtype (fp32: bf16 rounding would put a noise floor
         # under every KL and ratio)
         old_logp, entropy = no_grad_logprobs(policy, prompts, tokens, mask, temperature,
-                                             logprob_dtype, args.micro_batch)
+                                             logprob_dtype, args.micro_batch, entropy=True)
         ref_logp = old_logp if reference is None else no_grad_logprobs(
             reference, prompts, tokens, mask, temperature, logprob_dtype, args.micro_batch)[0]
 
@@ -407,20 +440,25 @@ def main(argv=None):
         returns = kl.shape_rewards(scores, old_logp, ref_logp, mask, args.kl, args.place, args.beta,
                                    args.kl_clamp)
         advantages = ADVANTAGES[args.advantage](returns, G)
-        # the policy that sampled: the sampler's log-probs (--async-lag), else the fp32 pass
-        behaviour_logp = out.token_logprobs if args.async_lag else old_logp
+        # mu, the policy that sampled: the sampler's own log-probs, or (--behaviour trainer, lag 0)
+        # the fp32 pass at the same weights
+        behaviour_logp = out.token_logprobs if args.behaviour == "sampler" else old_logp
 
         # ------------------------------------------------------------ loss and step
         losses, grad_norms, skipped = [], [], 0  # losses: sums over all ranks, a row per minibatch
         for index, minibatch in enumerate(torch.arange(len(batch)).tensor_split(args.minibatches)):
             # the minibatch's log-probs in --logprob-dtype under the current weights: old_logp
             # until the first update, then a no-grad pass of their own (only if the gradient pass
-            # runs in another dtype)
+            # runs in another dtype, or the self-normalized weight needs them)
             exact_logp = old_logp[minibatch]
-            if index > 0 and dtype != logprob_dtype:
+            if index > 0 and (dtype != logprob_dtype or self_normalized):
                 exact_logp = no_grad_logprobs(policy, [prompts[r] for r in minibatch],
                                               tokens[minibatch], mask[minibatch], temperature,
                                               logprob_dtype, args.micro_batch)[0]
+            log_mean_w = 0.0  # --is-weight self-normalized: log mean_j w_j, all ranks
+            if self_normalized:
+                log_mean_w = importance_weights(kl.log_importance_weights(
+                    exact_logp, behaviour_logp[minibatch], mask[minibatch]), device)["log_mean_w"]
             # num_tokens: response tokens of the minibatch on all ranks, both losses' normalizer
             num_tokens = mask[minibatch].sum()
             if dist.is_initialized():
@@ -446,8 +484,9 @@ def main(argv=None):
                         pg_loss, clip_frac = advantage.truncated_is_loss(
                             logp, old, advantages[rows], mask[rows], num_tokens, args.is_cap)
                     if args.place == "weighted":  # unbiased off-policy: w sg[K1], w = pi/mu
-                        kl_loss = kl.off_policy_kl_loss(logp, old, ref_logp[rows], mask[rows],
-                                                        args.beta, num_tokens)
+                        kl_loss = kl.off_policy_kl_loss(logp, behaviour_logp[rows], ref_logp[rows],
+                                                        mask[rows], args.beta, num_tokens,
+                                                        max_log_w, log_mean_w)
                     else:
                         kl_loss = kl.kl_loss(logp, ref_logp[rows], mask[rows], args.kl, args.place,
                                              args.beta, num_tokens, args.kl_clamp)
@@ -477,6 +516,9 @@ def main(argv=None):
             k1 = (mask * kl.estimate(old_logp, ref_logp, "k1")).sum(1)  # per sequence (eq. 5)
             k3 = (mask * kl.estimate(old_logp, ref_logp, "k3")).sum(1)
         behaviour, ratio_max = sampler_vs_trainer(out.token_logprobs, old_logp, mask, device)
+        # the sequence-level importance weights w = prod_t pi/mu at the step's start
+        weights = importance_weights(kl.log_importance_weights(old_logp, behaviour_logp, mask),
+                                     device)
         total = runtime.all_reduce_sums({
             "sequences": len(batch), "score": scores.sum().item(),
             "correct": (scores >= 1).sum().item(), "return": returns.sum().item(),
@@ -497,6 +539,7 @@ def main(argv=None):
                "behaviour_kl_k3": total["behaviour_kl_k3"] / n,
                "ratio_mean": total["ratio"] / num_resp, "ratio_max": ratio_max,
                "ratio_outside": total["ratio_outside"] / num_resp,
+               "log_w_max": weights["log_w_max"], "is_ess": weights["is_ess"],
                "lr": optimizer.param_groups[0]["lr"], "sample_s": sample_s, "train_s": train_s,
                "tokens_per_s": num_resp / (sample_s + train_s), "skipped": skipped}
         if args.eval_every and step % args.eval_every == 0:

@@ -324,10 +324,13 @@ def reuse_problem(source, flags, setting):
     wanted = vars(train.parser.parse_args(render(flags)))
     then = {key: config.get(key, train.parser.get_default(key)) for key in wanted}
     differ = [f"--{key.replace('_', '-')} {then[key]} (plan: {value})"
-              for key, value in wanted.items() if key not in REUSE_IGNORED and then[key] != value]
+              for key, value in wanted.items()
+              if key not in REUSE_IGNORED | {"dtype"} and then[key] != value]
     if differ:
         return "other flags: " + ", ".join(differ)
-    dtype, here = sampler_dtype(source), resolved_dtype(wanted["dtype"])
+    # the dtype it computed in: config.json's (train.py now writes the resolved one), or inferred
+    dtype = then["dtype"] if then["dtype"] != "auto" else sampler_dtype(source)
+    here = resolved_dtype(wanted["dtype"])
     if dtype != here:
         return f"it ran in {dtype or 'an unrecorded dtype'}, this machine resolves {here}"
     result = read_result(source, setting)

@@ -12,6 +12,7 @@ with the runs' checkpoints deleted (a fresh clone) trains nothing and says the s
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -75,7 +76,7 @@ def test_a_verdict_waits_for_every_seed():
 
 
 # ---------------------------------------------------------------- reuse and commands
-def test_reuse_rule_on_the_committed_runs(monkeypatch):
+def test_reuse_rule_on_the_committed_runs(monkeypatch, tmp_path):
     setting = study.PLANS["fig3"]["scales"]["cpu"]
     flags = study.train_flags(study.PLANS["fig3"], "cpu", "k3-reward-1", 0)
     source = ROOT / "studies/cpu-small/k3-reward-1"
@@ -84,8 +85,15 @@ def test_reuse_rule_on_the_committed_runs(monkeypatch):
     assert "kl-clamp" in study.reuse_problem(ROOT / "studies/cpu-small/k3-reward-1-verl", flags,
                                              setting)
     assert "--steps 20 (plan: 2)" in study.reuse_problem(source, {**flags, "steps": 2}, setting)
+    # a run whose config.json records the resolved dtype (train.py now writes it, not "auto")
+    recorded = tmp_path / "recorded"
+    shutil.copytree(source, recorded)
+    config = json.loads((recorded / "config.json").read_text())
+    (recorded / "config.json").write_text(json.dumps({**config, "dtype": "float32"}))
+    assert "float32" in study.reuse_problem(recorded, flags, setting)
     monkeypatch.setattr(study, "resolved_dtype", lambda flag: "float32")  # an AVX2-only CPU
     assert "bfloat16" in study.reuse_problem(source, flags, setting)
+    assert study.reuse_problem(recorded, flags, setting) is None
     # the async pilot's lagged runs: no machine record, and mismatch_kl says nothing at lag 10
     plan = study.PLANS["fig7"]
     pilot = ROOT / "studies/async-pilot/k1-reward-lag10-lr3e-5"
@@ -237,8 +245,6 @@ def test_two_runs_end_to_end_with_a_kill(tmp_path, letter_model):
     results_md = (studies / "results.md").read_text()
 
     # a fresh clone: no checkpoints, only the small outputs; nothing trains, the same results
-    import shutil
-
     shutil.rmtree(tmp_path / "runs")
     fresh = runner(plan, tmp_path)
     assert fresh.returncode == 0, fresh.stdout + fresh.stderr

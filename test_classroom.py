@@ -165,12 +165,12 @@ def test_e3_is_not_given_away_by_the_rest_of_toy_py(blank, tmp_path, monkeypatch
     """toy.converge held E3's answer: it is withheld, the adapted exploit scores nothing, and the
     leak check refuses a handout that keeps it."""
     toy = (blank / "toy.py").read_text()
-    assert "withheld from this handout" in toy
     work = tmp_path / "e3"
     shutil.copytree(blank, work)
     (work / "toy.py").write_text(adapt_converge(toy))
     scores, _, _ = hidden(work, "E3")
     assert scores["E3"][0] == 0
+    assert "withheld from this handout" in toy
     monkeypatch.setitem(BY_ID, "E3", dataclasses.replace(BY_ID["E3"], withheld=()))
     with pytest.raises(SystemExit, match="leak check"):
         handout.make(tmp_path / "keeps-converge", ["E3"], git=False)
@@ -400,6 +400,7 @@ def test_hidden_messages_give_no_expected_values(blank, tmp_path):
                                                           RECORD_E3 % str(seen)))
     scores, tests, stdout = hidden(work, "E3")
     inputs = [json.loads(line) for line in seen.read_text().splitlines()]
+    inputs = [i for i in inputs if i[:2] != ["k1", "loss"]]  # zeros pass there: no message
     messages = [line for t in tests for line in t["output"].splitlines()] + stdout.splitlines()
     wanted = [[float(v) for v in m.group(1).split(",")]
               for line in messages for m in re.finditer(r"want \[([^\]]*)\]", line)]
@@ -407,7 +408,7 @@ def test_hidden_messages_give_no_expected_values(blank, tmp_path):
     (work / "toy.py").write_text(handout.replace_function(toy, "expected_gradient",
                                                           LOOKUP_E3 % repr(table)))
     after, _, _ = hidden(work, "E3")
-    assert after["E3"][0] <= scores["E3"][0] + 1 + 1e-9  # k1 in loss (1 point) wants zeros
+    assert after["E3"][0] <= scores["E3"][0] + 1e-9
     numbers = {round(float(x), 6) for line in messages
                for x in re.findall(r"-?\d+\.\d{3,}(?:e-?\d+)?", line)}
     from classroom.checks import e3_enumeration

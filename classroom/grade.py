@@ -194,7 +194,7 @@ def summarize(tests, exercises):
     return rows
 
 
-def print_report(rows, tests, hidden, seed, received):
+def print_report(rows, tests, hidden, seed, received, verbose=False):
     print(f"{'':4}{'exercise':<44}{'points':>12}{'tests':>9}{'seconds':>9}")
     for row in rows:
         print(f"{row['exercise']:<4}{row['title'][:43]:<44}"
@@ -208,7 +208,7 @@ def print_report(rows, tests, hidden, seed, received):
         if t["passed"] < t["cases"]:
             print(f"\n{t['exercise']} {t['name']}: {t['passed']}/{t['cases']} cases. "
                   f"Hint: {t['hint']}")
-            for message in t["messages"][:6]:
+            for message in t["messages"] if verbose else t["messages"][:6]:
                 print("  " + message.replace("\n", "\n    "))
     if hidden:
         print(f"\nThese are the hidden tests (seed {seed}).")
@@ -278,7 +278,7 @@ def main(args):
     tests, received = grade(root, exercises, seed, args.hidden, submission, base,
                             getattr(args, "child_user", None))
     rows = summarize(tests, exercises)
-    print_report(rows, tests, args.hidden, seed, received)
+    print_report(rows, tests, args.hidden, seed, received, args.verbose)
     out = pathlib.Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(gradescope(rows, tests, args.hidden, received, exercises), indent=1))

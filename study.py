@@ -361,15 +361,18 @@ def done(target, setting):
 
 
 def latest_step(run_dir):
-    """The step of the newest complete checkpoint in run_dir (checkpoint.latest's rule), or None."""
-    steps = [json.loads(p.read_text())["step"] for p in run_dir.glob("*/trainer_state.json")
-             if not p.parent.name.startswith(".tmp-")]
-    return max(steps, default=None)
+    """The step that train.py --resume will continue from (checkpoint.latest), or None."""
+    import checkpoint
+
+    found = checkpoint.latest(run_dir)
+    return checkpoint.step_of(found) if found else None
 
 
 def run_job(plan, args, name, seed, threads, say):
     """One (configuration, seed): skip, reuse, or train + evaluate + copy. Returns an error line
     or None."""
+    import checkpoint
+
     setting = plan["scales"][args.scale]
     target = args.studies / f"{name}-seed{seed}"
     run_dir = args.runs / f"{name}-seed{seed}"
@@ -384,7 +387,7 @@ def run_job(plan, args, name, seed, threads, say):
             return None
         say(f"{name} seed {seed}: not reusing {source}: {problem}")
     is_training = plan["runs"][name]["flags"] is not None
-    finished = (run_dir / "final" / "trainer_state.json").is_file()
+    finished = (run_dir / "final").is_dir() and checkpoint.missing(run_dir / "final") is None
     # always --resume: train.py continues from the newest checkpoint, or starts when there is none
     train, evaluate = commands(plan, args.scale, name, seed, run_dir, True, args.steps)
     env = {**os.environ, **({"OMP_NUM_THREADS": str(threads)} if setting["threads"] else {})}

@@ -454,7 +454,10 @@ def run_jobs(plan, args, jobs):
                 name, seed = todo.get_nowait()
             except queue.Empty:
                 return
-            error = run_job(plan, args, name, seed, threads, say)
+            try:
+                error = run_job(plan, args, name, seed, threads, say)
+            except Exception as caught:  # noqa: BLE001 - one job's failure stops only that job
+                error = f"{name} seed {seed}: {type(caught).__name__}: {caught}"
             if error:
                 say(error)
                 with lock:

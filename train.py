@@ -156,8 +156,9 @@ group.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "floa
 group.add_argument("--logprob-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="dtype of the log-probs that feed the KL, the ratio and the loss values: "
                         "float32 = exact, bfloat16 = the fast, noisy way (docs/precision.md)")
-group.add_argument("--micro-batch", type=int, default=16,
-                   help="sequences per forward/backward (the gradient does not depend on it)")
+group.add_argument("--micro-batch", type=int, default=8,
+                   help="sequences per forward/backward (the gradient does not depend on it; 8 "
+                        "keeps the default run under 4 GiB whatever the responses' lengths)")
 group.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                    help="recompute each decoder layer's activations in the backward pass: the "
                         "same gradient, ~1 GB less memory at the defaults, no slower on a CPU "
@@ -250,7 +251,10 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
             allowed[j, columns, start:P] = True
             allowed[j, columns, columns] = causal
             pack_of_row[row], slot_of_row[row] = j, k
-    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+    # no cast cache: each weight is used once per forward, and a cache would hold a bf16 copy of all
+    # of them (0.25 GiB) through the pass
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32,
+                        cache_enabled=False):
         # kept column 0 (the prompt's last) predicts each response's token 0, k*T + t its token t
         logits = model(input_ids=input_ids, attention_mask=allowed.unsqueeze(1),
                        position_ids=position_ids, use_cache=False, logits_to_keep=K * T + 1).logits

@@ -64,7 +64,8 @@ ROOT = Path(__file__).resolve().parent
 CPU = {  # the CPU study's defaults (studies/cpu-small), written out so a default change shows
     "train": {"model": "smollm2-135m", "task": "arith", "steps": 20, "lr": 1e-5,
               "prompts-per-step": 8, "group-size": 4, "max-new-tokens": 40,
-              "eval-every": 5, "eval-limit": 50, "save-every": 5},
+              "eval-every": 5, "eval-limit": 50, "save-every": 5,
+              "micro-batch": 16},  # the CPU study's (train.py's default is 8 since aef40f8)
     "eval": {"tasks": "arith", "samples": 2, "max-new-tokens": 40, "dtype": "bfloat16",
              "batch-size": 64},
     "eval_dir": "eval-arith", "task": "arith", "launcher": ["python"], "threads": True,

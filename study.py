@@ -464,6 +464,7 @@ def run_jobs(plan, args, jobs):
                 with lock:
                     errors.append(error)
 
+    import train  # noqa: F401 - here, not in two lanes at once: transformers' lazy imports race
     workers = [threading.Thread(target=lane, args=(number,)) for number in range(1, args.lanes + 1)]
     for worker in workers:
         worker.start()

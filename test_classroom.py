@@ -24,6 +24,7 @@ import pytest
 
 from classroom import handout
 from classroom.bugs import BUGS
+from classroom.grade import checks_of, run_order
 from classroom.manifest import BY_ID, EXERCISES
 
 ROOT = pathlib.Path(__file__).parent
@@ -532,4 +533,9 @@ def test_manifest_and_code_agree():
             assert node is not None, f"{exercise.id}: {file} has no function {function}"
             assert ast.get_docstring(node), f"{exercise.id}: {file}:{function} needs a docstring"
     assert {c.split("_")[0].upper() for c in checks} == {e.id for e in EXERCISES}
+    order = run_order([e.id for e in EXERCISES])  # a stand-in's exercise runs before its users
+    owner = {name: e.id for e in EXERCISES for _, name in e.functions}
+    for exercise in order:
+        for _, name in checks_of(exercise).PATCH:
+            assert order.index(owner[name]) < order.index(exercise), (exercise, name)
     assert {b[0] for b in BUGS} >= {e.id for e in EXERCISES if e.functions}

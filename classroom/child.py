@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -23,6 +24,8 @@ DTYPES = {name: getattr(torch, name) for name in
           ("float64", "float32", "bfloat16", "float16", "int64", "int32", "bool")}
 MAX_ANSWER = 64 * 2**20  # bytes: an answer longer than this is not read
 START_SECONDS = 120  # time limit for the child to import torch and the submission
+LIVE = set()  # pids of the children at work (exercises are graded side by side)
+LOCK = threading.Lock()
 
 
 class Failed(Exception):
@@ -43,15 +46,26 @@ def become_subreaper():
 
 
 def kill_strays():
-    """Kill every process left whose parent is the grader: what a child forked and left behind."""
-    me = str(os.getpid())
-    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[1] == me:
-            pid = int(stat.parent.name)
+    """Kill every process left whose parent is the grader, other than the live children of the
+    exercises graded meanwhile: what a child forked and left behind (again until none is left:
+    one that forks as it dies leaves its own child to us)."""
+    with LOCK:
+        kill_strays_unlocked(str(os.getpid()))
+
+
+def kill_strays_unlocked(me):
+    for _ in range(100):
+        strays = []
+        for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[1] == me and int(stat.parent.name) not in LIVE:
+                strays.append(int(stat.parent.name))
+        if not strays:
+            return
+        for pid in strays:
             try:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
@@ -85,9 +99,11 @@ def start(sandbox, others, own, patch, user=None, hidden=False):
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "LANG": "C.UTF-8", **home}
     ids = {"user": user[0], "group": user[1], "extra_groups": []} if user else {}
-    proc = subprocess.Popen([sys.executable, "-I", "-c", PROBES, str(write_end)], cwd=sandbox,
-                            env=env, stdin=subprocess.PIPE, stdout=log, stderr=log,
-                            pass_fds=(write_end,), start_new_session=True, **ids)
+    with LOCK:  # not taken for a stray by another exercise's kill_strays
+        proc = subprocess.Popen([sys.executable, "-I", "-c", PROBES, str(write_end)],
+                                cwd=sandbox, env=env, stdin=subprocess.PIPE, stdout=log,
+                                stderr=log, pass_fds=(write_end,), start_new_session=True, **ids)
+        LIVE.add(proc.pid)
     os.close(write_end)
     child = {"proc": proc, "answers": read_end, "buffer": b"", "log": log, "next_id": 0}
     setup = {"others": others, "own": own, "patch": patch, "standins": STANDINS if patch else ""}
@@ -165,6 +181,8 @@ def stop(child):
     except OSError:
         pass
     child["proc"].wait()
+    with LOCK:
+        LIVE.discard(child["proc"].pid)
     kill_strays()
     os.close(child["answers"])
     child["log"].close()

@@ -18,7 +18,11 @@ import pathlib
 import shutil
 import tempfile
 import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from fractions import Fraction
+from pathlib import Path
+
+import torch
 
 from classroom import child as children
 from classroom.manifest import BY_ID, EXERCISES
@@ -26,19 +30,27 @@ from classroom.manifest import BY_ID, EXERCISES
 PUBLIC_SEED = 2512  # arXiv 2512.21852
 # the most seconds a case may take (each check sets its own, 20-120 s); lower it to try a timeout
 CASE_SECONDS = float(os.environ.get("CLASSROOM_CASE_SECONDS") or "inf")
+WORKERS = int(os.environ.get("CLASSROOM_WORKERS") or 2)  # exercises graded at once
 CHECKS = {path.stem.split("_")[0].upper(): f"classroom.checks.{path.stem}"
           for path in (pathlib.Path(__file__).parent / "checks").glob("e[0-9]*_*.py")}
 
 
+def prerequisites(exercises):
+    """{exercise: the exercises that must be graded before it starts}. An exercise's functions are
+    graded before any exercise whose child is sent stand-ins of them (a child cannot keep a
+    stand-in, on disk, for one graded later); E8 (no submitted code, its files read by this
+    process) before any child that runs submitted code could touch its files."""
+    owner = {name: e for e in exercises for _, name in BY_ID[e].functions}
+    first = {e for e in exercises if not BY_ID[e].functions}
+    return {e: ({owner[attr] for _, attr in checks_of(e).PATCH if attr in owner} - {e})
+            | (first if BY_ID[e].functions else set()) for e in exercises}
+
+
 def run_order(exercises):
-    """The exercises, each before any exercise whose child is sent stand-ins of its functions:
-    a child cannot keep a stand-in (on disk) for an exercise that runs after it."""
-    owner = {(file[:-3], name): e for e in exercises for file, name in BY_ID[e].functions}
-    before = {e: {owner[tuple(p)] for p in checks_of(e).PATCH if tuple(p) in owner} - {e}
-              for e in exercises}
-    order = []
+    """The exercises in an order that respects their prerequisites."""
+    needs, order = prerequisites(exercises), []
     while len(order) < len(exercises):
-        order += [e for e in exercises if e not in order and before[e] <= set(order)][:1]
+        order += [e for e in exercises if e not in order and needs[e] <= set(order)][:1]
     return order
 
 
@@ -112,15 +124,22 @@ def score(test):
 
 
 def find(submission, name, directory=False):
-    """submission/name, or the shallowest match in a folder of the upload (a zipped handout)."""
-    direct = submission / name
-    if direct.is_dir() if directory else direct.is_file():
-        return direct
-    matches = sorted((p for p in submission.rglob(name) if (p.is_dir() if directory else p.is_file())
-                      and not any(part.startswith((".", "__MACOSX")) for part in
-                                  p.relative_to(submission).parts)),
-                     key=lambda p: (len(p.parts), str(p)))
-    return matches[0] if matches else None
+    """submission/name, or the shallowest match in a folder of the upload (a zipped handout); never
+    a link (it could point at the grader's files)."""
+    def plain(path):
+        parts = path.relative_to(submission).parts
+        return (not any(part.startswith((".", "__MACOSX")) for part in parts[:-1])
+                and not any((submission / Path(*parts[:i + 1])).is_symlink()
+                            for i in range(len(parts)))
+                and (path.is_dir() if directory else path.is_file()))
+
+    matches = [submission / name] + sorted(submission.rglob(name),
+                                           key=lambda p: (len(p.parts), str(p)))
+    return next((path for path in matches if path.exists() and plain(path)), None)
+
+
+def no_links(folder, names):
+    return [name for name in names if os.path.islink(os.path.join(folder, name))]
 
 
 def build_sandbox(sandbox, base, submission, exercises, received):
@@ -133,7 +152,7 @@ def build_sandbox(sandbox, base, submission, exercises, received):
             found = find(submission, file.rstrip("/"), directory=file.endswith("/"))
             received[file] = "received" if found else "not submitted"
             if found and file.endswith("/"):
-                shutil.copytree(found, sandbox / file, dirs_exist_ok=True)
+                shutil.copytree(found, sandbox / file, ignore=no_links, dirs_exist_ok=True)
             elif found:
                 shutil.copyfile(found, sandbox / file)
 
@@ -158,6 +177,7 @@ def grade(root, exercises, seed, hidden, submission=None, base=None, child_user=
     from this repository if None) and `submission`, removed afterwards; its children run as
     `child_user` if given."""
     children.become_subreaper()
+    torch.set_num_threads(1)  # small tensors; the exercises run side by side
     for exercise_id in exercises:  # import every check (and transformers) before any child runs
         checks_of(exercise_id)
     received = {}
@@ -174,10 +194,18 @@ def grade(root, exercises, seed, hidden, submission=None, base=None, child_user=
             build_sandbox(root, base, submission, exercises, received)
             user = children.sandbox_user(child_user)
             give_to(root, user)
-        tests = []
-        for exercise_id in run_order(exercises):
-            missing = [f for f in files_of(exercise_id) if received.get(f) == "not submitted"]
-            tests += grade_exercise(exercise_id, root, seed, hidden, missing, user)
+        tests, needs, done, running = [], prerequisites(exercises), set(), {}
+        with ThreadPoolExecutor(WORKERS) as pool:  # exercises side by side, prerequisites first
+            while len(done) < len(exercises):
+                for e in run_order(exercises):
+                    if e not in done | set(running) and needs[e] <= done and len(running) < WORKERS:
+                        missing = [f for f in files_of(e) if received.get(f) == "not submitted"]
+                        running[e] = pool.submit(grade_exercise, e, root, seed, hidden, missing,
+                                                 user)
+                finished, _ = wait(running.values(), return_when=FIRST_COMPLETED)
+                for e in [e for e, future in running.items() if future in finished]:
+                    tests += running.pop(e).result()
+                    done.add(e)
     order = {e: i for i, e in enumerate(exercises)}
     return sorted(tests, key=lambda t: order[t["exercise"]]), received
 

@@ -131,11 +131,11 @@ def tests(seed, hidden, root=pathlib.Path(".")):
                   "the flags of the statement (--steps 20).")
         for name in RUNS
     ] + [
-        dict(name="plot", points=1, seconds=120, check=plot_check(root), cases=[("plot", None)],
-             hint="python plot.py experiment/k1-reward experiment/k1-loss --out "
-                  "experiment/plot.png, after both runs."),
         dict(name="answer_is_written", points=0, seconds=5, check=answer_check(root),
              cases=[("answer", None)],
              hint="experiment/answer.md, at most 300 words; your instructor grades it by a "
                   "rubric."),
+        dict(name="plot", points=1, seconds=120, check=plot_check(root), cases=[("plot", None)],
+             hint="python plot.py experiment/k1-reward experiment/k1-loss --out "
+                  "experiment/plot.png, after both runs."),
     ]

@@ -58,6 +58,12 @@ def hidden(submission, *exercises):
                  "--assignment", ",".join(exercises))
 
 
+def no_expected_values(tests):
+    """Hidden outputs never print a wanted value ("want [...]", "expected 0.123")."""
+    for t in tests:
+        assert not re.search(r"\b(want|expected)\b[^\n]{0,3}[-\[(]?\d*\.\d", t["output"]), t
+
+
 def full(scores, exercise):
     score, most = scores[exercise]
     return most > 0 and abs(score - most) < 1e-9
@@ -261,8 +267,9 @@ def test_a_lookup_of_the_public_answers_fails_the_hidden_tests(solved, tmp_path)
     path.write_text(handout.replace_function(path.read_text(), "rloo", LOOKUP % repr(table)))
     public, _, _ = grade(work, "E4")
     assert full(public, "E4")
-    scores, _, _ = hidden(work, "E4")
+    scores, tests, _ = hidden(work, "E4")
     assert not full(scores, "E4")
+    no_expected_values(tests)
 
 
 TAMPER = '''
@@ -400,6 +407,7 @@ def test_hidden_messages_give_no_expected_values(blank, tmp_path):
     (work / "toy.py").write_text(handout.replace_function(toy, "expected_gradient",
                                                           RECORD_E3 % str(seen)))
     scores, tests, stdout = hidden(work, "E3")
+    no_expected_values(tests)
     inputs = [json.loads(line) for line in seen.read_text().splitlines()]
     inputs = [i for i in inputs if i[:2] != ["k1", "loss"]]  # zeros pass there: no message
     messages = [line for t in tests for line in t["output"].splitlines()] + stdout.splitlines()
@@ -440,6 +448,7 @@ def test_a_syntax_error_costs_only_its_exercises(solved, tmp_path):
     work = submission(tmp_path, solved)
     (work / "kl.py").write_text((work / "kl.py").read_text() + "\ndef broken(:\n    pass\n")
     scores, tests, stdout = hidden(work, "E1", "E3", "E4")
+    no_expected_values(tests)
     assert scores["E1"][0] == 0 and full(scores, "E3") and full(scores, "E4"), stdout
     e1 = "\n".join(t["output"] for t in tests if t["name"].startswith("E1"))
     assert "kl.py does not import" in e1 and "SyntaxError" in e1 and "def broken(:" in e1

@@ -69,8 +69,12 @@ def grade_exercise(exercise_id, root, seed, hidden, missing, user):
         if state["broken"]:
             raise children.Failed(state["broken"])
         if state["child"] is None:
-            state["child"] = children.start(root, checks.OTHERS, checks.OWN, checks.PATCH,
-                                            user, hidden)
+            try:
+                state["child"] = children.start(root, checks.OTHERS, checks.OWN, checks.PATCH,
+                                                user, hidden)
+            except children.Failed as error:  # e.g. an import that never ends: fail the rest fast
+                state["broken"] = str(error)
+                raise
             errors = state["child"]["import_errors"]
             if errors:
                 state["broken"] = "; ".join(f"{name}.py does not import:\n" + "\n".join(lines)

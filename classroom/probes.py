@@ -42,9 +42,16 @@ def decode(x):
 
 
 def first_lines(error, limit=4):
-    """The exception's own lines (a SyntaxError's file, line, caret), the sandbox path removed."""
-    text = "".join(traceback.format_exception_only(type(error), error)).replace(os.getcwd() + "/", "")
-    return "\n".join(line for line in text.splitlines() if line.strip())[-600:].splitlines()[-limit:]
+    """The exception's own lines (a SyntaxError's file, line and caret), after the line of the
+    submission's file that raised it, the sandbox path removed."""
+    here = os.getcwd() + "/"
+    frames = [frame for frame in traceback.extract_tb(error.__traceback__)
+              if frame.filename.startswith(here)]
+    where = ([f'  File "{frames[-1].filename}", line {frames[-1].lineno}',
+              f"    {frames[-1].line}"] if frames and not isinstance(error, SyntaxError) else [])
+    text = "\n".join(where) + "\n" + "".join(traceback.format_exception_only(type(error), error))
+    lines = [line for line in text.replace(here, "").splitlines() if line.strip()]
+    return [line[:300] for line in lines[-limit:]]
 
 
 def placeholder(name, error):

@@ -1,7 +1,7 @@
 """E1: kl.estimate against float64 definitions (eqs. 11, 14)."""
 import torch
 
-from classroom.harness import Wrong, close, f64, pick, tensor
+from classroom.harness import Wrong, close, f64, pick, size_of_error, tensor
 from classroom.standins import estimate, k3_of_log_r
 
 OWN, OTHERS, PATCH = ["kl"], [], []
@@ -41,7 +41,8 @@ def near_one(c, run):
         raise Wrong(f"K3 of float32 inputs came back as {got.dtype}")
     relative = ((got.double() - exact).abs() / exact).max().item()
     if not relative < 1e-2:
-        raise Wrong(f"K3 near r = 1: relative error {relative:.2g} in float32")
+        raise Wrong(f"K3 near r = 1: relative error {relative:.2g} in float32",
+                    f"K3 near r = 1 in float32: {size_of_error(relative, 1.0)}")
 
 
 def non_negative(dtype, run):

@@ -76,7 +76,9 @@ def crossing(c, run):
                             uniform=torch.tensor([0.999999], dtype=f64)), run)
     if tokens.item() != k:
         raise Wrong(f"top_p = {top_p:.3f}: drew the {tokens.item() + 1}-th most likely token, the "
-                    f"nucleus ends at the {k + 1}-th")
+                    f"nucleus ends at the {k + 1}-th",
+                    f"top_p = {top_p:.3f}: the uniform at the top of the CDF drew a token other "
+                    "than the last of the nucleus")
     if not abs(got.item() - (probs[k] / probs[:k + 1].sum()).log().item()) < 1e-4:
         raise Wrong("the crossing token's log-prob is not renormalized over the nucleus")
 

@@ -37,7 +37,8 @@ def grade(cwd, *args, env=None):
     """`python -m classroom grade ARGS` in cwd -> ({exercise: (score, max)}, tests, stdout)."""
     out = pathlib.Path(tempfile.mkdtemp()) / "results.json"  # never in the repository
     proc = subprocess.run([sys.executable, "-m", "classroom", "grade", *args, "--json", str(out)],
-                          cwd=cwd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+                          cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return scores_of(out) + (proc.stdout,)
 
@@ -148,8 +149,8 @@ def test_leak_check_refuses(tmp_path, monkeypatch):
 def adapt_converge(toy_source):
     """The E3 exploit: toy.expected_gradient made of the lines of toy.converge (its pi(y) weight
     and its call of training_loss), if the handout still has them; else the blank function."""
-    weight = re.search(r"^ *weight = logp\.sum\(-1, keepdim=True\)\.exp\(\)\.detach\(\)", toy_source,
-                       re.M)
+    weight = re.search(r"^ *weight = logp\.sum\(-1, keepdim=True\)\.exp\(\)\.detach\(\)",
+                       toy_source, re.M)
     call = re.search(r"^ *loss = training_loss\(logp, ref_logp, reward, kind, place, beta, weight, "
                      r"num_tokens=1\)", toy_source, re.M)
     if not (weight and call):
@@ -436,7 +437,8 @@ def test_a_case_that_never_returns_times_out(solved, tmp_path):
     source = (work / "kl.py").read_text()
     verl = '    if clamp == "verl":\n'
     assert source.count(verl) == 1
-    (work / "kl.py").write_text(source.replace(verl, verl + "        __import__('time').sleep(600)\n"))
+    sleep = "        __import__('time').sleep(600)\n"
+    (work / "kl.py").write_text(source.replace(verl, verl + sleep))
     scores, tests, _ = grade(work, "E1", env={"CLASSROOM_CASE_SECONDS": "2"})
     assert scores["E1"] == (5.0, 6.0)
     assert "timeout" in next(t["output"] for t in tests if t["name"] == "E1 verl_clamp")
@@ -528,7 +530,8 @@ def test_the_autograder_zip_runs_end_to_end(tmp_path):
     assert full(scores, "E1") and scores["E4"][0] == 0, run.stdout[-3000:]
     assert results["score"] == 6
     files = {t["name"]: t["output"] for t in results["tests"] if t["name"].endswith("files")}
-    assert "kl.py received" in files["E1 files"] and "advantage.py not submitted" in files["E4 files"]
+    assert "kl.py received" in files["E1 files"]
+    assert "advantage.py not submitted" in files["E4 files"]
 
 
 def test_manifest_and_code_agree():

@@ -7,9 +7,9 @@ Public (`grade` in a handout): the public seed, the child in the handout itself,
 values. Hidden (`grade --hidden --seed S --submission DIR`, and the Gradescope autograder): a
 sandbox holding a fresh blank handout without the grader (classroom/) and the submission's files
 of the assignment's exercises, a child per exercise that cannot import the grader (on Gradescope
-run as `nobody`, who cannot read it either), messages that never print an expected value, results that students see
-once grades are published. Each exercise stands alone: a file that is missing or does not import
-costs the exercises that need it, with its error's first lines.
+run as `nobody`, who cannot read it either), messages that never print an expected value, results
+that students see once grades are published. Each exercise stands alone: a file that is missing
+or does not import costs the exercises that need it, with its error's first lines.
 """
 import importlib
 import json
@@ -100,7 +100,8 @@ def grade_exercise(exercise_id, root, seed, hidden, missing, user):
                         state["child"] = None
                 except Exception as error:  # noqa: BLE001  harness.Wrong, or a bad output
                     message = getattr(error, "hidden" if hidden else "public", None)
-                    messages.append(f"[{label}] {message or type(error).__name__ + ': ' + str(error)[:200]}")
+                    message = message or f"{type(error).__name__}: {str(error)[:200]}"
+                    messages.append(f"[{label}] {message}")
             results.append({"exercise": exercise_id, "name": spec["name"],
                             "points": Fraction(spec["points"]).limit_denominator(1000),
                             "cases": len(spec["cases"]), "passed": passed,
@@ -290,7 +291,8 @@ def main(args):
         root = None
     else:
         root = pathlib.Path.cwd()
-        if not (root / ".classroom").is_file() and not (root / "classroom" / "handout.py").is_file():
+        in_handout = (root / ".classroom").is_file() or (root / "classroom/handout.py").is_file()
+        if not in_handout:
             raise SystemExit("run `python -m classroom grade` in a handout's directory")
         marker = root / ".classroom"
         exercises = marker.read_text().split() if marker.is_file() else [e.id for e in EXERCISES]
@@ -298,7 +300,8 @@ def main(args):
     exercises = [e.strip().upper() for e in exercises if e.strip()]
     unknown = [e for e in exercises if e not in BY_ID]
     if unknown:
-        raise SystemExit(f"unknown exercise(s) {', '.join(unknown)}: choose from {', '.join(BY_ID)}")
+        raise SystemExit(f"unknown exercise(s) {', '.join(unknown)}: choose from "
+                         f"{', '.join(BY_ID)}")
     if args.exercises:
         wanted = [e.upper() for e in args.exercises]
         if [e for e in wanted if e not in exercises]:

@@ -82,8 +82,8 @@ def leaks(out, removed, shared=()):
 
 
 def student_readme(chosen):
-    files = sorted({file for e in chosen for file, _ in BY_ID[e].functions}
-                   | ({"experiment/ (a folder: zip it with the files)"} if "E8" in chosen else set()))
+    experiment = {"experiment/ (a folder: zip it with the files)"} if "E8" in chosen else set()
+    files = sorted({file for e in chosen for file, _ in BY_ID[e].functions} | experiment)
     parts = [(ROOT / "classroom" / "STUDENT.md").read_text().replace(
         "{files}", ", ".join(f"`{file}`" for file in files))]
     for exercise in EXERCISES:

@@ -202,7 +202,7 @@ def main():
         except BaseException as error:  # noqa: BLE001
             errors[name] = first_lines(error)
     standins = {}
-    exec(setup["standins"], standins)  # noqa: S102  the grader's stand-ins, when this one needs them
+    exec(setup["standins"], standins)  # noqa: S102  the grader's stand-ins, if this one needs any
     for module, attr in setup["patch"]:
         if module in MODULES:
             setattr(MODULES[module], attr, standins[attr])

@@ -51,8 +51,8 @@ def consistent(name, config, rows):
             raise Wrong(f"{where}: not a row of train.py's metrics (it logs {', '.join(KEYS)})")
         checks = [
             (row["step"] == index + 1, "steps are not 1, 2, 3, ..."),
-            (index > 0 or row["kl_k1"] == row["kl_k3"] == 0, "step 1 has a KL (the policy is the "
-             "reference there)"),
+            (index > 0 or abs(row["kl_k1"]) + abs(row["kl_k3"]) < 1e-4, "step 1 has a KL (the "
+             "policy is the reference there)"),
             (is_count(row["reward"] * sequences), "the reward is not a mean over the batch"),
             (is_count(row["response_len"] * sequences), "response_len is not a mean length"),
             (row["kl_k3"] >= -1e-6, "K3 is negative"),
@@ -77,7 +77,8 @@ def is_count(x):
     return abs(x - round(x)) < 1e-6 and x > 0
 
 
-def near(a, b, relative=0.0):
+def near(a, b, relative=1e-5):
+    """Equal up to train.py's float32 sums."""
     return abs(a - b) <= 1e-6 + relative * abs(b)
 
 
@@ -106,7 +107,8 @@ def plot_check(root):
                   submitted="experiment/plot.png")
         if got["submitted"] is None:
             raise Wrong(f"E8: experiment/plot.png is not a PNG image ({got['why']})")
-        if got["submitted"] != got["rendered"] or not got["agree"] >= 0.99:
+        # 100% on the same matplotlib; the figure of other runs agrees on ~90% of its pixels
+        if got["submitted"] != got["rendered"] or not got["agree"] >= 0.97:
             raise Wrong(f"E8: experiment/plot.png is not plot.py's figure of the two runs "
                         f"(size {got['submitted'][:2]} vs {got['rendered'][:2]}, "
                         f"{got['agree']:.0%} of pixels agree)")

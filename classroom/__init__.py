@@ -1,2 +1,2 @@
-"""Classroom assignments made from this repository: `python -m classroom handout OUT` and
-`python -m classroom grade` (classroom/README.md)."""
+"""Classroom assignments made from this repository: `python -m classroom handout OUT`,
+`python -m classroom grade` and `python -m classroom autograder OUT.zip` (classroom/README.md)."""

@@ -15,6 +15,7 @@ import importlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import tempfile
 import time
@@ -314,6 +315,11 @@ def main(args):
                             getattr(args, "child_user", None))
     rows = summarize(tests, exercises)
     print_report(rows, tests, args.hidden, seed, received, args.verbose)
+    if not args.hidden:  # the public grader is importable here, never in hidden grading
+        for file in sorted({f for e in exercises for f in files_of(e) if not f.endswith("/")}):
+            if re.search(r"\b(classroom|standins)\b", (root / file).read_text(errors="replace")):
+                print(f"WARNING: {file} mentions the grader (classroom, standins): hidden grading "
+                      "runs your code where it cannot be imported")
     out = pathlib.Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(gradescope(rows, tests, args.hidden, received, exercises), indent=1))

@@ -172,7 +172,7 @@ def call(child, probe, seconds, **args):
     try:
         return decode(answer["out"])
     except (KeyError, TypeError, ValueError, RuntimeError) as error:
-        raise Failed(f"an unreadable output ({str(error)[:100]})") from None
+        raise Failed(f"an unreadable output ({str(error)[:100]})", alive=True) from None
 
 
 def stop(child):

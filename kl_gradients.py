@@ -77,7 +77,7 @@ parser.add_argument("--steps", default="5,10,20",
                     help="distances: checkpoints step_N of a no-KL run on arith, trained if absent")
 parser.add_argument("--train-dir", default="runs/kl-gradients/no-kl-seed0",
                     help="the no-KL training run (train.py --kl k1 --place none --save-every 5)")
-parser.add_argument("--groups", type=int, default=72, help="groups of G responses per distance")
+parser.add_argument("--groups", type=int, default=128, help="groups of G responses per distance")
 parser.add_argument("--group-size", type=int, default=4, help="G, the RLOO group (train.py's)")
 parser.add_argument("--prompts-per-batch", type=int, default=8,
                     help="groups sampled together (rollout.generate's batch)")
@@ -91,12 +91,20 @@ parser.add_argument("--layers", default="-1.self_attn,-1.mlp",
                          "disjoint random subsets of the whole parameter vector")
 parser.add_argument("--coords", type=int, default=16384,
                     help="random coordinates kept per subset (0: all of the subset's)")
+parser.add_argument("--basis", default="coords", choices=("coords", "displacement"),
+                    help="coords = --coords random coordinates per subset; displacement = per row "
+                         "of each matrix of the subset, the component along theta_pi - theta_ref "
+                         "(the directions training moved; all rows, --coords unused)")
 parser.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples")
 parser.add_argument("--device", default="cpu", help="cpu or cuda")
 parser.add_argument("--seed", type=int, default=0, help="seeds prompts, samples, coordinates")
 parser.add_argument("--out", default="studies/kl-gradients",
                     help="directory for results.json and results.csv")
 parser.add_argument("--figure", default="assets/kl_gradients.png", help="the figure's path")
+parser.add_argument("--save-gradients", default=None,
+                    help="also save each distance's per-group gradients to DIR/LABEL.pt")
+parser.add_argument("--replot", action="store_true",
+                    help="only redraw --figure from OUT/results.json")
 
 
 # ---------------------------------------------------------------- the trainer's estimator
@@ -137,7 +145,7 @@ def group_gradients(logp, params, coefs, subsets):
         grads = torch.autograd.grad(logp, params, grad_outputs=coefs[name],
                                     retain_graph=i < len(names) - 1, allow_unused=True)
         grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
-        rows[name] = torch.cat([grads[j].reshape(-1)[index] for subset in subsets
+        rows[name] = torch.cat([coordinates(grads[j], index) for subset in subsets
                                 for j, index in subset])
     for name, parts in SUMS.items():  # place both = the reward's gradient + the loss's, exactly
         if name in coefs:
@@ -145,25 +153,32 @@ def group_gradients(logp, params, coefs, subsets):
     return torch.stack([rows[name] for name in coefs]).float().cpu()
 
 
-def choose_subsets(model, layers, coords, seed):
+def choose_subsets(model, layers, coords, seed, reference=None):
     """(params that need grad, subsets): each subset a list of (index into params, flat coordinate
-    indices), `coords` random coordinates of one decoder layer, or of the whole vector ('all')."""
+    indices), `coords` random coordinates of one decoder layer, or of the whole vector ('all').
+    With a `reference` (--basis displacement) the entries are (index, theta - theta_ref) instead:
+    the coordinates are the gradient's components along the displacement of each row."""
     gen = torch.Generator().manual_seed(seed)
     if layers == "all":
-        pools = [list(model.parameters())] * 2
+        pools = [list(model.named_parameters())] * 2
     else:  # "INDEX" or "INDEX.SUBMODULE" of model.model.layers
-        blocks = model.model.layers
         pools = []
         for entry in layers.split(","):
             index, _, sub = entry.partition(".")
-            block = blocks[int(index)]
-            pools.append(list((block.get_submodule(sub) if sub else block).parameters()))
-    params = list(dict.fromkeys(p for pool in pools for p in pool))
+            path = f"model.layers.{int(index) % len(model.model.layers)}" + (f".{sub}" if sub else "")
+            pools.append([(f"{path}.{name}", p)
+                          for name, p in model.get_submodule(path).named_parameters()])
+    params = list(dict.fromkeys(p for pool in pools for _, p in pool))
     position = {id(p): j for j, p in enumerate(params)}
     taken = {}  # 'all': the two subsets are disjoint
     subsets = []
     for pool in pools:
-        sizes = torch.tensor([p.numel() for p in pool])
+        if reference is not None:
+            ref_params = dict(reference.named_parameters())
+            subsets.append([(position[id(p)], (p.detach() - ref_params[name].detach()))
+                            for name, p in pool])
+            continue
+        sizes = torch.tensor([p.numel() for _, p in pool])
         total = int(sizes.sum())
         if coords and coords < total:
             flat = torch.randint(total, (4 * coords,), generator=gen).unique()
@@ -175,7 +190,7 @@ def choose_subsets(model, layers, coords, seed):
         taken[id(pool[0])] = torch.cat([taken.get(id(pool[0]), flat[:0]), flat])
         starts = torch.cumsum(sizes, 0) - sizes
         subset = []
-        for p, start, size in zip(pool, starts.tolist(), sizes.tolist()):
+        for (_, p), start, size in zip(pool, starts.tolist(), sizes.tolist()):
             inside = flat[(flat >= start) & (flat < start + size)] - start
             if len(inside):
                 subset.append((position[id(p)], inside.to(p.device)))
@@ -187,10 +202,21 @@ def choose_subsets(model, layers, coords, seed):
     return params, subsets
 
 
+def coordinates(grad, index):
+    """A subset's coordinates of one parameter's gradient: the kept entries (index: flat long
+    indices), or (index: the displacement theta - theta_ref) the component along each row's
+    displacement, sum_i g_ri delta_ri (each entry of a vector parameter on its own)."""
+    if index.dtype == torch.long:
+        return grad.reshape(-1)[index]
+    product = grad * index
+    return (product.sum(-1) if product.dim() > 1 else product).reshape(-1)
+
+
 def measure(policy, reference, tokenizer, examples, args, device, label=""):
     """Sample args.groups groups and return the per-group gradients X (n, C, m) and per-sequence
     records (lengths, K1 and K3 sums, scores)."""
-    params, subsets = choose_subsets(policy, args.layers, args.coords, args.seed)
+    params, subsets = choose_subsets(policy, args.layers, args.coords, args.seed,
+                                     reference if args.basis == "displacement" else None)
     stop_ids = stop_token_ids(policy, tokenizer)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     prompt_rng = random.Random(args.seed)
@@ -225,7 +251,8 @@ def measure(policy, reference, tokenizer, examples, args, device, label=""):
                 seqs["score"] += scores[rows].tolist()
             bar.update(1)
     bar.close()
-    sizes = [sum(len(index) for _, index in subset) for subset in subsets]
+    sizes = [sum(len(index) if index.dtype == torch.long else len(index.reshape(len(index), -1))
+                 for _, index in subset) for subset in subsets]
     return torch.stack(X), {key: np.array(v) for key, v in seqs.items()}, sizes
 
 
@@ -287,39 +314,48 @@ def token_scales(lengths, group_size, prompts, draws=4000, seed=0):
 
 def summarize(Q, R, W, names, lengths, group_size, a_tok=None, terciles=None):
     """Per configuration: estimates on W[0] and bootstrap 95% intervals over W[1:]."""
-    def ci(values):
-        v = values.numpy()
-        finite = v[1:][np.isfinite(v[1:])]
-        low, high = (np.percentile(finite, [2.5, 97.5]).tolist() if len(finite) > 10
-                     else (math.nan, math.nan))
-        return [float(v[0]), low, high]
+    def ci(values, undefined=(-math.inf, math.inf)):
+        """[estimate, 2.5%, 97.5%] over the resamples. A resample where the statistic is undefined
+        (nan: ||grad KL||^2 or ||E[g]||^2 estimated <= 0, the noise above the signal) counts as
+        the worst case on each side, `undefined`: with over 2.5% of them the interval is all."""
+        v = values.double().numpy()
+        boot = v[1:]
+        low = np.percentile(np.where(np.isnan(boot), undefined[0], boot), 2.5, method="lower")
+        high = np.percentile(np.where(np.isnan(boot), undefined[1], boot), 97.5, method="higher")
+        return [float(v[0]), float(low), float(high)]
 
     Urr = u_inner(Q[REF], W)
+    over_ref = lambda x: torch.where(Urr > 0, x / Urr.abs().clamp(min=1e-300), math.nan)  # noqa
     var_pg = trace_cov(Q["task_pg"], W) * group_size
+    positive = (0, math.inf)
     out = {"ref": {"norm": ci(Urr.clamp(min=0).sqrt()),
                    # the reference's own standard error, relative to its norm
-                   "rel_se": ci((trace_cov(Q[REF], W) / W.sum(1)).sqrt() / Urr.clamp(min=1e-300)
-                                .sqrt())}}
+                   "rel_se": ci(over_ref(trace_cov(Q[REF], W) / W.sum(1)).sqrt(), positive),
+                   # the share of resamples whose ||grad KL||^2 is estimated <= 0
+                   "undefined": float((Urr[1:] <= 0).double().mean())}}
     for name in names:
         Ucc, Ucr = u_inner(Q[name], W), u_inner(R[name], W)
         d2 = Ucc - 2 * Ucr + Urr  # ||E[g_c] - grad KL||^2, unbiased
         # a ratio of unbiased quadratic forms can pass 1: clipped to [-1, 1]
-        cos = torch.where(Ucc > 0, Ucr / (Ucc.clamp(min=1e-300) * Urr).sqrt(), math.nan).clamp(-1, 1)
+        cos = torch.where((Ucc > 0) & (Urr > 0), Ucr / (Ucc.abs() * Urr.abs()).clamp(min=1e-300)
+                          .sqrt(), math.nan).clamp(-1, 1)
         var = trace_cov(Q[name], W) * group_size
-        row = {"cos": ci(cos), "proj": ci(Ucr / Urr), "rel_err": ci(d2.clamp(min=0).sqrt() /
-                                                                    Urr.sqrt()),
-               "rel_err2": ci(d2 / Urr), "norm_ratio": ci(Ucc.clamp(min=0).sqrt() / Urr.sqrt()),
-               "var": ci(var), "var_ratio": ci(var / var_pg),
-               "var_rel": ci(var / Urr)}
+        row = {"cos": ci(cos, (-1, 1)), "proj": ci(over_ref(Ucr)),
+               "rel_err": ci(over_ref(d2.clamp(min=0)).sqrt(), positive),
+               "rel_err2": ci(over_ref(d2)), "norm_ratio": ci(over_ref(Ucc.clamp(min=0)).sqrt(),
+                                                             positive),
+               "var": ci(var), "var_ratio": ci(var / var_pg), "var_rel": ci(over_ref(var), positive)}
         if a_tok is not None:  # the trainer's token-normalized E[g] against grad KL
             Ut = u_inner(Q[name], W, a_tok, a_tok)
             Utr = u_inner(R[name], W, a_tok, None)
-            row["tok_rel_err"] = ci((Ut - 2 * Utr + Urr).clamp(min=0).sqrt() / Urr.sqrt())
-            row["tok_cos"] = ci(torch.where(Ut > 0, Utr / (Ut.clamp(min=1e-300) * Urr).sqrt(),
-                                            math.nan).clamp(-1, 1))
+            row["tok_rel_err"] = ci(over_ref((Ut - 2 * Utr + Urr).clamp(min=0)).sqrt(), positive)
+            row["tok_cos"] = ci(torch.where((Ut > 0) & (Urr > 0), Utr / (Ut.abs() * Urr.abs())
+                                            .clamp(min=1e-300).sqrt(), math.nan).clamp(-1, 1),
+                                (-1, 1))
             # ||E[g_tok] - E[g]|| / ||grad KL||: the normalizer's own effect
             D = a_tok - 1
-            row["tok_shift"] = ci(u_inner(Q[name], W, D, D).clamp(min=0).sqrt() / Urr.sqrt())
+            row["tok_shift"] = ci(over_ref(u_inner(Q[name], W, D, D).clamp(min=0)).sqrt(),
+                                  positive)
         if terciles is not None:
             row["by_length"] = []
             for index in terciles:
@@ -330,7 +366,7 @@ def summarize(Q, R, W, names, lengths, group_size, a_tok=None, terciles=None):
                 row["by_length"].append({
                     "mean_length": float(lengths.reshape(-1, group_size)[index].mean()),
                     "var": ci(trace_cov(Q[name], Wt) * group_size),
-                    "rel_bias": ci(u_inner(diff, Wt).clamp(min=0).sqrt() / Urr.sqrt())})
+                    "rel_bias": ci(over_ref(u_inner(diff, Wt).clamp(min=0)).sqrt(), positive)})
         out[name] = row
     return out
 
@@ -348,8 +384,13 @@ def halves_check(Q, R, W, names=UNBIASED[1:]):
             WA, WB = W * A, W * B
             cross = ((WA @ R[name]) * WB).sum(1) / (WA.sum(1) * WB.sum(1))
             d2 = d2 + 0.5 * (u_inner(Q[name], WA) + u_inner(Q[REF], WB) - 2 * cross)
-        v = (d2 / Urr).numpy()
-        result[name] = [float(v[0])] + np.percentile(v[1:], [2.5, 97.5]).tolist()
+        v = torch.where(Urr > 0, d2 / Urr.abs().clamp(min=1e-300), math.nan).numpy()
+        boot = v[1:]  # undefined resamples (||grad KL||^2 estimated <= 0) count as the worst case
+        result[name] = [float(v[0]),
+                        float(np.percentile(np.where(np.isnan(boot), -math.inf, boot), 2.5,
+                                            method="lower")),
+                        float(np.percentile(np.where(np.isnan(boot), math.inf, boot), 97.5,
+                                            method="higher"))]
     return result
 
 
@@ -420,34 +461,44 @@ def plot(results, path):
     import matplotlib.pyplot as plt
 
     dists = results["distances"]
-    x = [d["kl_k1"][0] for d in dists]
+    x = np.array([d["kl_k1"][0] for d in dists])
     fig, axes = plt.subplots(1, 4, figsize=(17, 3.9))
-    for i, name in enumerate(n for n in CONFIGS if n != "task_pg"):
+    kl_names = [n for n in CONFIGS if n != "task_pg"]
+    for i, name in enumerate(kl_names):
         style = dict(color=f"C{i}", marker="o", ms=3, ls="--" if name in UNBIASED else "-",
                      capsize=2, label=name)
-        for ax, key in zip(axes[:3], ("cos", "rel_err", "var_ratio")):
+        shift = (i - len(kl_names) / 2) * 0.01 * (x.max() - x.min() + 0.1)  # side by side
+        for ax, key in zip(axes[:2], ("rel_err", "var_ratio")):
             v = np.array([d["pooled"][name][key] for d in dists])
-            ax.errorbar(x, v[:, 0], yerr=[v[:, 0] - v[:, 1], v[:, 2] - v[:, 0]], **style)
+            ax.errorbar(x + shift, v[:, 0], yerr=[v[:, 0] - v[:, 1], v[:, 2] - v[:, 0]], **style)
         rows = dists[-1]["pooled"][name]["by_length"]
         axes[3].plot([r["mean_length"] for r in rows], [r["var"][0] for r in rows],
                      color=f"C{i}", marker="o", ms=3, ls=style["ls"])
-    axes[0].set(xlabel="KL(pi || pi_ref), nats per sequence (K1)",
-                title="cos(E[g], grad KL)", ylim=(-1.05, 1.05))
-    axes[1].set(xlabel="KL(pi || pi_ref), nats per sequence (K1)",
-                title="||E[g] - grad KL|| / ||grad KL||")
-    axes[2].set(xlabel="KL(pi || pi_ref), nats per sequence (K1)", yscale="log",
-                title="variance / task policy gradient's (beta = 1)")
+    se = np.array([d["pooled"]["ref"]["rel_se"] for d in dists])
+    axes[2].plot(x, se[:, 0], "ko-", label="grad KL's relative standard error")
+    axes[2].axhline(1, color="grey", lw=0.8)
+    xlabel = "KL(pi || pi_ref), nats per sequence (K1)"
+    axes[0].set(xlabel=xlabel, title="||E[g] - grad KL|| / ||grad KL||", ylim=(0, 4))
+    axes[1].set(xlabel=xlabel, yscale="log",
+                title="one sequence's variance / task policy gradient's")
+    axes[2].set(xlabel=xlabel, yscale="log", ylim=(0.05, 20),
+                title=f"reference: sqrt(tr Cov / n) / ||grad KL||, n = {results['groups']} groups")
     axes[3].set(xlabel="mean response length of the group (tercile)", yscale="log",
                 title=f"one sequence's variance, {dists[-1]['label']}")
     axes[0].legend(fontsize=7, ncol=2)
     fig.suptitle(f"Table 1 on {results['model']}: {results['groups']} groups of "
-                 f"{results['group_size']} per distance, 95% bootstrap intervals", fontsize=10)
+                 f"{results['group_size']} per distance, beta = 1, 95% bootstrap intervals",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=70)
 
 
 def main(argv=None):
     args = parser.parse_args(argv)
+    if args.replot:
+        results = json.loads((Path(args.out) / "results.json").read_text())
+        plot(results, args.figure)
+        return results
     start = time.time()
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
@@ -463,6 +514,10 @@ def main(argv=None):
         policy.eval()
         t0 = time.time()
         X, seqs, sizes = measure(policy, reference, tokenizer, examples, args, device, label)
+        if args.save_gradients:
+            Path(args.save_gradients).mkdir(parents=True, exist_ok=True)
+            torch.save({"X": X, "seqs": seqs, "sizes": sizes},
+                       Path(args.save_gradients) / f"{label.replace(' ', '_')}.pt")
         stats = analyze(X, seqs, names, sizes, args)
         mean_se = lambda v: [float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v)))]  # noqa
         dist = {"label": label, "policy": path, "kl_k1": mean_se(seqs["k1"]),

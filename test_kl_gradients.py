@@ -160,3 +160,9 @@ def test_tiny_model_end_to_end(tmp_path, tiny_llama, smollm2_tokenizer, one_thre
     assert set(dist["pooled"]) == {"ref", *K.CONFIGS}
     assert (tmp_path / "out" / "results.csv").read_text().count("\n") == 1 + 3 * len(K.CONFIGS)
     assert (tmp_path / "fig.png").stat().st_size > 0
+    # the displacement basis: per row of each matrix, the component along theta_pi - theta_ref
+    results = K.main(["--model", str(tmp_path / "ref"), "--policy", str(tmp_path / "pi"),
+                      "--groups", "4", "--prompts-per-batch", "4", "--max-new-tokens", "4",
+                      "--basis", "displacement", "--bootstrap", "20", "--normalizer-prompts", "2",
+                      "--out", str(tmp_path / "out2"), "--figure", ""])
+    assert results["distances"][0]["coords"] == [32 + 16 + 16 + 32, 64 + 64 + 32]  # rows

@@ -31,9 +31,15 @@ pi_ref is the base model; pi the same after N steps of no-KL RLOO training on `a
    (eqs. 10, 12). Per configuration c: cos(E[g_c], grad KL); proj = E[g_c] . grad KL / ||grad KL||^2;
    rel_err = ||E[g_c] - grad KL|| / ||grad KL||; var = G tr Cov(x_k), one sequence's variance;
    var_ratio = var / var(task_pg); by response-length tercile of the groups, var and the bias.
+   A ratio to ||grad KL||^2 is undefined in a resample whose U-statistic of it is <= 0 (the noise
+   above the signal); such resamples count as the worst case, so its interval is then unbounded.
+   Defined whatever the noise, in units of K1-in-reward's one-sequence variance var_ref: snr =
+   ||E[g_c]||^2 / var_ref, bias_snr = ||E[g_c] - grad KL||^2 / var_ref (an interval above 0
+   detects the bias; 1 / snr is about the number of sequences that resolve the vector).
 
-    python kl_gradients.py          # trains pi (~15 min), then 3 distances; ~60 min on 2 CPU cores
-    python kl_gradients.py --model Qwen/Qwen2.5-1.5B-Instruct --layers all --device cuda ...
+    python kl_gradients.py        # trains pi (~15-25 min), then 3 distances (~40 min, one core)
+    python kl_gradients.py --analyze runs/kl-gradients/gradients   # statistics of saved gradients
+    python kl_gradients.py --model Qwen/Qwen2.5-0.5B-Instruct --device cuda --groups 4000 ...
 """
 import argparse
 import json
@@ -103,6 +109,9 @@ parser.add_argument("--out", default="studies/kl-gradients",
 parser.add_argument("--figure", default="assets/kl_gradients.png", help="the figure's path")
 parser.add_argument("--save-gradients", default=None,
                     help="also save each distance's per-group gradients to DIR/LABEL.pt")
+parser.add_argument("--analyze", default=None,
+                    help="no sampling: the statistics of the gradients saved in DIR by "
+                         "--save-gradients (the same distances and flags)")
 parser.add_argument("--replot", action="store_true",
                     help="only redraw --figure from OUT/results.json")
 
@@ -333,6 +342,9 @@ def summarize(Q, R, W, names, lengths, group_size, a_tok=None, terciles=None):
                    "rel_se": ci(over_ref(trace_cov(Q[REF], W) / W.sum(1)).sqrt(), positive),
                    # the share of resamples whose ||grad KL||^2 is estimated <= 0
                    "undefined": float((Urr[1:] <= 0).double().mean())}}
+    # one sequence's variance of the reference: a positive, well-measured scale
+    var_ref = trace_cov(Q[REF], W) * group_size
+    out["ref"]["snr"] = ci(Urr / var_ref)  # ||grad KL||^2 / var: 1/n sequences to resolve it
     for name in names:
         Ucc, Ucr = u_inner(Q[name], W), u_inner(R[name], W)
         d2 = Ucc - 2 * Ucr + Urr  # ||E[g_c] - grad KL||^2, unbiased
@@ -344,7 +356,10 @@ def summarize(Q, R, W, names, lengths, group_size, a_tok=None, terciles=None):
                "rel_err": ci(over_ref(d2.clamp(min=0)).sqrt(), positive),
                "rel_err2": ci(over_ref(d2)), "norm_ratio": ci(over_ref(Ucc.clamp(min=0)).sqrt(),
                                                              positive),
-               "var": ci(var), "var_ratio": ci(var / var_pg), "var_rel": ci(over_ref(var), positive)}
+               "var": ci(var), "var_ratio": ci(var / var_pg), "var_rel": ci(over_ref(var), positive),
+               # in units of the reference's one-sequence variance (defined whatever the noise):
+               # ||E[g_c]||^2 and ||E[g_c] - grad KL||^2; an interval above 0 detects them
+               "snr": ci(Ucc / var_ref), "bias_snr": ci(d2 / var_ref)}
         if a_tok is not None:  # the trainer's token-normalized E[g] against grad KL
             Ut = u_inner(Q[name], W, a_tok, a_tok)
             Utr = u_inner(R[name], W, a_tok, None)
@@ -371,9 +386,10 @@ def summarize(Q, R, W, names, lengths, group_size, a_tok=None, terciles=None):
     return out
 
 
-def halves_check(Q, R, W, names=UNBIASED[1:]):
+def halves_check(Q, R, W, names=UNBIASED[1:], scale=None):
     """||E[g_c] - grad KL||^2 / ||grad KL||^2 with g_c from one half of the groups (even, odd) and
-    K1-in-reward from the other: independent samples, so Table 1 predicts 0 within the interval."""
+    K1-in-reward from the other: independent samples, so Table 1 predicts 0 within the interval.
+    With a `scale` (B + 1,), the squared distance over it instead of over ||grad KL||^2."""
     n = Q[REF].shape[0]
     even, odd = torch.arange(n) % 2 == 0, torch.arange(n) % 2 == 1
     Urr = u_inner(Q[REF], W)
@@ -384,7 +400,8 @@ def halves_check(Q, R, W, names=UNBIASED[1:]):
             WA, WB = W * A, W * B
             cross = ((WA @ R[name]) * WB).sum(1) / (WA.sum(1) * WB.sum(1))
             d2 = d2 + 0.5 * (u_inner(Q[name], WA) + u_inner(Q[REF], WB) - 2 * cross)
-        v = torch.where(Urr > 0, d2 / Urr.abs().clamp(min=1e-300), math.nan).numpy()
+        v = (torch.where(Urr > 0, d2 / Urr.abs().clamp(min=1e-300), math.nan) if scale is None
+             else d2 / scale).numpy()
         boot = v[1:]  # undefined resamples (||grad KL||^2 estimated <= 0) count as the worst case
         result[name] = [float(v[0]),
                         float(np.percentile(np.where(np.isnan(boot), -math.inf, boot), 2.5,
@@ -405,7 +422,10 @@ def analyze(X, seqs, names, sizes, args):
     terciles = [torch.tensor(t) for t in np.array_split(order, 3)]
     Q, R = grams(X, names)
     result = {"pooled": summarize(Q, R, W, names, lengths, G, a_tok, terciles),
-              "halves_check": halves_check(Q, R, W), "subsets": []}
+              "halves_check": halves_check(Q, R, W),
+              # the same in units of K1-in-reward's one-sequence variance
+              "halves_check_snr": halves_check(Q, R, W, scale=trace_cov(Q[REF], W) * G),
+              "subsets": []}
     start = 0
     for size in sizes:
         Qs, Rs = grams(X[:, :, start:start + size], names)
@@ -467,24 +487,23 @@ def plot(results, path):
     for i, name in enumerate(kl_names):
         style = dict(color=f"C{i}", marker="o", ms=3, ls="--" if name in UNBIASED else "-",
                      capsize=2, label=name)
-        shift = (i - len(kl_names) / 2) * 0.01 * (x.max() - x.min() + 0.1)  # side by side
-        for ax, key in zip(axes[:2], ("rel_err", "var_ratio")):
-            v = np.array([d["pooled"][name][key] for d in dists])
+        shift = (i - len(kl_names) / 2) * 0.012 * (x.max() - x.min() + 0.1)  # side by side
+        for ax, key, top in zip(axes[:3], ("rel_err", "bias_snr", "var_ratio"), (4, 1, 1e4)):
+            v = np.array([d["pooled"][name][key] for d in dists], dtype=float)
+            v = np.clip(np.nan_to_num(v, nan=0.0), -top, top)  # unbounded intervals: to the edge
             ax.errorbar(x + shift, v[:, 0], yerr=[v[:, 0] - v[:, 1], v[:, 2] - v[:, 0]], **style)
-        rows = dists[-1]["pooled"][name]["by_length"]
-        axes[3].plot([r["mean_length"] for r in rows], [r["var"][0] for r in rows],
-                     color=f"C{i}", marker="o", ms=3, ls=style["ls"])
-    se = np.array([d["pooled"]["ref"]["rel_se"] for d in dists])
-    axes[2].plot(x, se[:, 0], "ko-", label="grad KL's relative standard error")
-    axes[2].axhline(1, color="grey", lw=0.8)
+    snr = np.array([d["pooled"]["ref"]["snr"] for d in dists])
+    axes[3].errorbar(x, snr[:, 0], yerr=[snr[:, 0] - snr[:, 1], snr[:, 2] - snr[:, 0]], color="k",
+                     marker="o", capsize=2)
+    axes[3].axhline(0, color="grey", lw=0.8)
     xlabel = "KL(pi || pi_ref), nats per sequence (K1)"
-    axes[0].set(xlabel=xlabel, title="||E[g] - grad KL|| / ||grad KL||", ylim=(0, 4))
-    axes[1].set(xlabel=xlabel, yscale="log",
-                title="one sequence's variance / task policy gradient's")
-    axes[2].set(xlabel=xlabel, yscale="log", ylim=(0.05, 20),
-                title=f"reference: sqrt(tr Cov / n) / ||grad KL||, n = {results['groups']} groups")
-    axes[3].set(xlabel="mean response length of the group (tercile)", yscale="log",
-                title=f"one sequence's variance, {dists[-1]['label']}")
+    axes[0].set(xlabel=xlabel, ylim=(0, 4),
+                title="||E[g] - grad KL|| / ||grad KL|| (bars at 4: unbounded)")
+    axes[1].set(xlabel=xlabel, yscale="symlog", ylim=(-0.05, 1),
+                title="||E[g] - grad KL||^2 / var(K1-in-reward)")
+    axes[1].set_yscale("symlog", linthresh=1e-3)
+    axes[2].set(xlabel=xlabel, yscale="log", title="one sequence's variance / task policy grad.'s")
+    axes[3].set(xlabel=xlabel, title="||grad KL||^2 / var(K1-in-reward), one sequence")
     axes[0].legend(fontsize=7, ncol=2)
     fig.suptitle(f"Table 1 on {results['model']}: {results['groups']} groups of "
                  f"{results['group_size']} per distance, beta = 1, 95% bootstrap intervals",
@@ -504,19 +523,33 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     tokenizer = load_tokenizer(args.model)
     examples = data.load_task("arith", split="test")
-    targets = policies(args)
-    reference = load_model(args.model, torch.float32).to(device).requires_grad_(False)
+    targets = policies(args) if not args.analyze else [
+        (f"step {s}", str(Path(args.train_dir) / f"step_{s}")) for s in args.steps.split(",")]
+    if args.analyze and args.policy:
+        targets = [(Path(args.policy).name, args.policy)]
+    reference = None if args.analyze else load_model(args.model, torch.float32).to(device)
+    reference = reference and reference.requires_grad_(False)
     names = list(CONFIGS)
+    prior = {}  # --analyze: the measuring run's timing and memory, from its results.json
+    if args.analyze and (Path(args.out) / "results.json").exists():
+        prior = json.loads((Path(args.out) / "results.json").read_text())
     results = {"model": args.model, "groups": args.groups, "group_size": args.group_size,
                "flags": vars(args), "distances": []}
     for label, path in targets:
-        policy = load_model(path, torch.float32).to(device)
-        policy.eval()
         t0 = time.time()
-        X, seqs, sizes = measure(policy, reference, tokenizer, examples, args, device, label)
+        policy = None
+        if args.analyze:  # the saved gradients, and the measuring run's own timing
+            saved = torch.load(Path(args.analyze) / f"{label.replace(' ', '_')}.pt",
+                               weights_only=False)
+            X, seqs, sizes = saved["X"], saved["seqs"], saved["sizes"]
+            t0 -= saved.get("seconds", 0.0)
+        else:
+            policy = load_model(path, torch.float32).to(device)
+            policy.eval()
+            X, seqs, sizes = measure(policy, reference, tokenizer, examples, args, device, label)
         if args.save_gradients:
             Path(args.save_gradients).mkdir(parents=True, exist_ok=True)
-            torch.save({"X": X, "seqs": seqs, "sizes": sizes},
+            torch.save({"X": X, "seqs": seqs, "sizes": sizes, "seconds": time.time() - t0},
                        Path(args.save_gradients) / f"{label.replace(' ', '_')}.pt")
         stats = analyze(X, seqs, names, sizes, args)
         mean_se = lambda v: [float(v.mean()), float(v.std(ddof=1) / math.sqrt(len(v)))]  # noqa
@@ -524,6 +557,9 @@ def main(argv=None):
                 "kl_k3": mean_se(seqs["k3"]), "response_len": mean_se(seqs["length"]),
                 "accuracy": mean_se(seqs["score"]), "coords": sizes, "seconds": time.time() - t0,
                 **stats}
+        for before in prior.get("distances", []):
+            if before["label"] == label and args.analyze:
+                dist["seconds"] = before["seconds"]
         results["distances"].append(dist)
         ref = stats["pooled"]["ref"]
         print(f"{label}: KL(pi || pi_ref) = {dist['kl_k1'][0]:.3f} +- {dist['kl_k1'][1]:.3f} (K1), "
@@ -538,6 +574,8 @@ def main(argv=None):
         del policy
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
         results.update(seconds=time.time() - start, peak_rss_gib=peak)
+        if "seconds" in prior:
+            results.update(seconds=prior["seconds"], peak_rss_gib=prior["peak_rss_gib"])
         out = Path(args.out)  # written after each distance: a stopped run keeps what it measured
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.json").write_text(json.dumps(results, indent=1))

@@ -2,6 +2,7 @@
 measurement code on the toy model against exact enumeration (toy.py), and a tiny random Llama end
 to end."""
 import importlib.util
+import json
 
 import numpy as np
 import pytest
@@ -151,10 +152,15 @@ def test_tiny_model_end_to_end(tmp_path, tiny_llama, smollm2_tokenizer, one_thre
         tiny_llama(len(tokenizer), seed=seed, max_position_embeddings=512,
                    eos_token_id=tokenizer.eos_token_id).save_pretrained(tmp_path / name)
         tokenizer.save_pretrained(tmp_path / name)
-    results = K.main(["--model", str(tmp_path / "ref"), "--policy", str(tmp_path / "pi"),
-                      "--groups", "6", "--prompts-per-batch", "3", "--max-new-tokens", "5",
-                      "--coords", "200", "--bootstrap", "50", "--normalizer-prompts", "2",
-                      "--out", str(tmp_path / "out"), "--figure", str(tmp_path / "fig.png")])
+    flags = ["--model", str(tmp_path / "ref"), "--policy", str(tmp_path / "pi"), "--groups", "6",
+             "--prompts-per-batch", "3", "--max-new-tokens", "5", "--coords", "200",
+             "--bootstrap", "50", "--normalizer-prompts", "2", "--out", str(tmp_path / "out")]
+    results = K.main(flags + ["--figure", str(tmp_path / "fig.png"),
+                              "--save-gradients", str(tmp_path / "saved")])
+    # --analyze: the same statistics from the saved gradients, no sampling
+    again = K.main(flags + ["--figure", "", "--analyze", str(tmp_path / "saved")])
+    same = lambda r: json.dumps(r["distances"][0]["pooled"])  # noqa: E731 (nan == nan)
+    assert same(again) == same(results)
     (dist,) = results["distances"]
     assert dist["coords"] == [200, 200] and dist["kl_k1"][0] > 0
     assert set(dist["pooled"]) == {"ref", *K.CONFIGS}

@@ -366,7 +366,12 @@ def test_async_lag_samples_with_the_weights_n_updates_older(tiny, tmp_path):
     for got, want in zip(seen, expected):
         assert_same(got, want, atol=0)
     # step s trains on generate call s - 1, its importance ratio against that call's log-probs
-    for step, behaviour_logp in enumerate(behaviour, start=1):
+    # (the micro-batches of a step, in order, make up the batch)
+    steps = 5
+    per_step = len(behaviour) // steps
+    assert len(behaviour) == per_step * steps
+    for step in range(1, steps + 1):
+        behaviour_logp = torch.cat(behaviour[(step - 1) * per_step:step * per_step])
         assert torch.equal(behaviour_logp, outs[step - 1].token_logprobs), step
     rows = metrics(tmp_path)
     assert [row["lag"] for row in rows] == [0, 1, 2, 2, 2]

@@ -1,9 +1,10 @@
-"""Speed and memory of rollout.generate on SmolLM2-135M (CPU), against model.generate in-process.
+"""Speed and memory of rollout.generate on SmolLM2-135M (CPU, or --device cuda), against
+model.generate in-process.
 
 Prints: useful tokens/s (response tokens up to and including EOS) for ours and for Hugging Face's
 generate, alternating A/B, same dtype, bf16 and fp32; the fraction of this CPU's bf16 matmul peak
 (measured in the same run) reached at batch 40; tokens/s at 1024 new tokens vs 64 (EOS off);
-peak memory vs weights + one KV cache (each in a fresh subprocess).
+peak memory vs weights + one KV cache (each in a fresh subprocess; on CUDA the allocator's peak).
 """
 import argparse
 import json
@@ -25,6 +26,8 @@ parser.add_argument("--rounds", type=int, default=2, help="A/B rounds per dtype 
 parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=["bf16", "fp32"],
                     help="dtypes")
 parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where the model runs (cuda: timings synchronize the device)")
 parser.add_argument("--short", type=int, default=64, help="new tokens of the short no-EOS run")
 parser.add_argument("--long", type=int, default=1024, help="new tokens of the long no-EOS run")
 parser.add_argument("--skip", nargs="*", default=[], choices=["ab", "length", "memory"],
@@ -41,6 +44,13 @@ from rollout import generate  # noqa: E402
 if args.threads:
     torch.set_num_threads(args.threads)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DEVICE = torch.device(args.device)
+# device work is asynchronous: a timer reads the clock after the device has finished
+sync = torch.cuda.synchronize if DEVICE.type == "cuda" else (lambda: None)
+
+
+def load(dtype):
+    return load_model("smollm2-135m", dtype=dtype).to(DEVICE)
 
 
 def math500_prompts(tokenizer, num):
@@ -56,10 +66,12 @@ def math500_prompts(tokenizer, num):
 def median_seconds(fn, reps):
     """Median wall-clock seconds of `reps` calls of fn(), after one untimed warm-up call."""
     fn()
+    sync()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - start)
     return sorted(times)[reps // 2]
 
@@ -67,7 +79,7 @@ def median_seconds(fn, reps):
 def matmul_peak(dtype, size=4096, reps=7):
     """Median FLOP/s of one large square matmul: this CPU's sustained roofline for `dtype` (a
     median, not the best: on a shared virtual machine single runs of the same matmul vary by 2x)."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    a, b = (torch.randn(size, size, dtype=dtype, device=DEVICE) for _ in range(2))
     return 2 * size**3 / median_seconds(lambda: a @ b, reps)
 
 
@@ -76,7 +88,8 @@ def linear_ceiling(model, rows, reps=7):
     and nothing else: what a decode step could reach if attention, norms, sampling and Python were
     free."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = {m: torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in linears}
+    inputs = {m: torch.randn(rows, m.in_features, dtype=m.weight.dtype, device=DEVICE)
+              for m in linears}
 
     def step():
         for m in linears:
@@ -89,7 +102,7 @@ def linear_ceiling(model, rows, reps=7):
 def read_bandwidth(megabytes=512, reps=7):
     """Bytes/s of summing a large fp32 tensor: how fast this CPU streams memory
     (weights, KV cache)."""
-    x = torch.ones(megabytes * 2**18)
+    x = torch.ones(megabytes * 2**18, device=DEVICE)
     return x.numel() * 4 / median_seconds(x.sum, reps)
 
 
@@ -116,38 +129,49 @@ def useful_lengths(responses, eos, max_new_tokens):
 
 
 def run_ours(model, batch, eos, max_new_tokens, seed):
+    sync()
     start = time.perf_counter()
     out = generate(model, batch, max_new_tokens, temperature=1.0, eos_token_id=eos,
-                   generator=torch.Generator().manual_seed(seed))
+                   generator=torch.Generator(DEVICE).manual_seed(seed))
+    sync()
     return time.perf_counter() - start, out.response_mask.sum(1).long().tolist()
 
 
 def run_hf(model, batch, eos, pad, max_new_tokens, seed):
     width = max(len(p) for p in batch)  # left padding, as generate() wants for decoder-only models
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=DEVICE)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch],
+                                  device=DEVICE)
     torch.manual_seed(seed)
+    sync()
     start = time.perf_counter()
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=True,
                          temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=max_new_tokens,
                          eos_token_id=eos, pad_token_id=pad)
+    sync()
     elapsed = time.perf_counter() - start
     return elapsed, useful_lengths(out[:, width:], eos, max_new_tokens)
 
 
 def memory_probe(dtype_name, max_new_tokens):
-    """Fresh process: peak RSS while generating minus RSS before, vs the KV cache's size (MiB)."""
-    model = load_model("smollm2-135m", dtype=DTYPES[dtype_name])
+    """Fresh process: peak RSS (on CUDA: allocated device memory) while generating minus that
+    before, vs the KV cache's size (MiB)."""
+    model = load(DTYPES[dtype_name])
     tokenizer = load_tokenizer("smollm2-135m")
     batch = [p for p in math500_prompts(tokenizer, args.prompts) for _ in range(args.samples)]
     generate(model, [[1, 2, 3]], 2)  # load kernels once
     status = lambda key: next(int(l.split()[1]) for l in open("/proc/self/status")  # noqa
                               if l.startswith(key))  # noqa
-    open("/proc/self/clear_refs", "w").write("5")  # reset the peak-RSS counter (VmHWM) to now
-    before = status("VmRSS:")
+    if DEVICE.type == "cuda":  # the caching allocator's own counters, in KiB like /proc's
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() / 1024
+    else:
+        open("/proc/self/clear_refs", "w").write("5")  # reset the peak-RSS counter (VmHWM) to now
+        before = status("VmRSS:")
     generate(model, batch, max_new_tokens, eos_token_id=None,
-             generator=torch.Generator().manual_seed(0))
-    peak = status("VmHWM:")
+             generator=torch.Generator(DEVICE).manual_seed(0))
+    peak = (torch.cuda.max_memory_allocated() / 1024 if DEVICE.type == "cuda"
+            else status("VmHWM:"))
     config, element = model.config, DTYPES[dtype_name].itemsize
     cache = (2 * config.num_hidden_layers * len(batch) * (max(map(len, batch)) + max_new_tokens)
              * config.num_key_value_heads * model.model.layers[0].self_attn.head_dim * element)
@@ -166,7 +190,8 @@ prompts = math500_prompts(tokenizer, args.prompts)
 batch = [p for p in prompts for _ in range(args.samples)]  # each prompt G times, consecutively
 print(f"SmolLM2-135M-Instruct, {args.prompts} MATH500 prompts x {args.samples} samples "
       f"= batch {len(batch)}, prompt lengths {min(map(len, prompts))}-{max(map(len, prompts))}, "
-      f"threads {torch.get_num_threads()}")
+      f"threads {torch.get_num_threads()}, device "
+      f"{torch.cuda.get_device_name() if DEVICE.type == 'cuda' else 'cpu'}")
 with open("/proc/loadavg") as f:
     print(f"load average at start: {f.read().split()[:3]}")
 peak = {name: matmul_peak(dtype) for name, dtype in DTYPES.items()}
@@ -177,7 +202,7 @@ print(f"matmul peak (4096^3, median of 7): bf16 {peak['bf16'] / 1e9:.0f} GFLOP/s
 if "ab" not in args.skip:
     print(f"\nA/B, temperature 1, EOS on, max_new_tokens {args.max_new_tokens}")
     for name in args.dtypes:
-        model = load_model("smollm2-135m", dtype=DTYPES[name])
+        model = load(DTYPES[name])
         # warm up both paths with one untimed full run each: ours meets a new row count every time a
         # row finishes, and the first run pays the one-time kernel setup for each
         # (amortized over an RL run)
@@ -205,7 +230,7 @@ if "ab" not in args.skip:
 
 if "length" not in args.skip:
     print(f"\nbf16, batch {len(batch)}, EOS off (every row decodes to the end)")
-    model = load_model("smollm2-135m", dtype=torch.bfloat16)
+    model = load(torch.bfloat16)
     # warm up at the full batch size (the runs below keep all rows)
     run_ours(model, batch, None, 8, seed=1000)
     rates = {}
@@ -228,7 +253,7 @@ if "memory" not in args.skip:
         for max_new_tokens in (args.short, args.long):
             probe = [sys.executable, __file__, "--memory-probe", name, str(max_new_tokens),
                      "--prompts", str(args.prompts), "--samples", str(args.samples),
-                     "--threads", str(args.threads)]
+                     "--threads", str(args.threads), "--device", args.device]
             result = json.loads(subprocess.run(probe, capture_output=True, text=True,
                                                check=True).stdout.strip().splitlines()[-1])
             print(f"  {name} {max_new_tokens:5d} new tokens: weights {result['weights']:.0f}, "

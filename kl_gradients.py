@@ -64,6 +64,7 @@ import advantage
 import data
 import kl
 import rollout
+import study
 import train
 from model import load_model, load_tokenizer, stop_token_ids
 
@@ -621,6 +622,13 @@ def main(argv=None):
         prior = json.loads((Path(args.out) / "results.json").read_text())
     results = {"model": args.model, "groups": args.groups, "group_size": args.group_size,
                "flags": vars(args), "distances": []}
+    # the CPU and dtypes: train.py samples pi's training batches in bf16 where the CPU has it, and
+    # bf16 rounds differently on other CPUs, so another kind of machine trains another pi
+    train_config = Path(args.train_dir) / "config.json"
+    train_dtype = (json.loads(train_config.read_text()).get("dtype")
+                   if train_config.is_file() and not args.policy else None)
+    results["machine"] = prior.get("machine") or study.machine(
+        "kl_gradients", train_dtype, "float32", torch.get_num_threads())
     for label, path in targets:
         t0 = time.time()
         policy = None

@@ -194,7 +194,10 @@ def test_tiny_model_end_to_end(tmp_path, tiny_llama, smollm2_tokenizer, one_thre
              "--bootstrap", "50", "--normalizer-prompts", "2", "--out", str(tmp_path / "out")]
     results = K.main(flags + ["--figure", str(tmp_path / "fig.png"),
                               "--save-gradients", str(tmp_path / "saved")])
-    # --analyze: the same statistics from the saved gradients, no sampling
+    # --analyze: the same statistics from the saved gradients, no sampling, on the measuring machine
+    written = json.loads((tmp_path / "out" / "results.json").read_text())
+    written["machine"]["cpu"] = "the measuring CPU"
+    (tmp_path / "out" / "results.json").write_text(json.dumps(written))
     again = K.main(flags + ["--figure", "", "--analyze", str(tmp_path / "saved")])
     same = lambda r: json.dumps(r["distances"][0]["pooled"])  # noqa: E731 (nan == nan)
     assert same(again) == same(results)
@@ -203,6 +206,8 @@ def test_tiny_model_end_to_end(tmp_path, tiny_llama, smollm2_tokenizer, one_thre
     assert set(dist["pooled"]) == {"ref", *K.CONFIGS}
     assert (tmp_path / "out" / "results.csv").read_text().count("\n") == 1 + 3 * len(K.CONFIGS)
     assert (tmp_path / "fig.png").stat().st_size > 0
+    assert results["machine"]["cpu"] and results["machine"]["eval_dtype"] == "float32"
+    assert again["machine"]["cpu"] == "the measuring CPU"
     # the displacement basis: per row of each matrix, the component along theta_pi - theta_ref
     results = K.main(["--model", str(tmp_path / "ref"), "--policy", str(tmp_path / "pi"),
                       "--groups", "4", "--prompts-per-batch", "4", "--max-new-tokens", "4",

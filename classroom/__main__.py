@@ -1,6 +1,6 @@
 """python -m classroom handout OUT [--exercises E1,E3]  |  python -m classroom grade [E3] [-v]
-[--hidden --seed SECRET --submission DIR [--assignment E1,E3]] [--json PATH]  |
-python -m classroom autograder OUT.zip --exercises E1,E3 --seed SECRET"""
+[--hidden --seed SECRET_INT --submission DIR [--assignment E1,E3]] [--json PATH]  |
+python -m classroom autograder OUT.zip --exercises E1,E3 --seed SECRET_INT"""
 import argparse
 import pathlib
 
@@ -23,7 +23,8 @@ def main(argv=None):
                        help="every failing case's message, not the first few")
     grade.add_argument("--hidden", action="store_true",
                        help="instructor: grade --submission with the hidden cases of --seed")
-    grade.add_argument("--seed", type=int, help="the instructor's secret seed (with --hidden)")
+    grade.add_argument("--seed", type=int,
+                       help="the instructor's secret seed, an integer (with --hidden)")
     grade.add_argument("--submission", help="the student's files or handout (with --hidden)")
     grade.add_argument("--assignment", help="the assignment's exercises, e.g. E1,E2,E4 (with "
                                             "--hidden; default: the submission's .classroom, "
@@ -36,7 +37,8 @@ def main(argv=None):
     zip_ = commands.add_parser("autograder", help="build a Gradescope autograder zip")
     zip_.add_argument("out", help="the zip to write, e.g. autograder.zip")
     zip_.add_argument("--exercises", default=ALL, help="the assignment's exercises (default: all)")
-    zip_.add_argument("--seed", type=int, required=True, help="the secret seed of the hidden cases")
+    zip_.add_argument("--seed", type=int, required=True,
+                      help="the secret seed of the hidden cases, an integer")
     args = parser.parse_args(argv)
     here = pathlib.Path(__file__).parent
     if args.command in ("handout", "autograder") and not (here / "handout.py").is_file():

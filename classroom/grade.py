@@ -282,7 +282,7 @@ def gradescope(rows, tests, hidden, received, exercises):
 def main(args):
     if args.hidden:
         if args.seed is None:
-            raise SystemExit("--hidden needs --seed SECRET (the instructor's)")
+            raise SystemExit("--hidden needs --seed SECRET_INT (the instructor's secret integer)")
         submission = pathlib.Path(args.submission or ".").resolve()
         if not submission.is_dir():
             raise SystemExit(f"--submission {submission}: no such directory")

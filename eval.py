@@ -68,7 +68,8 @@ parser.add_argument("--no-chat-template", action="store_true",
                     help="plain-text prompts, no chat template")
 parser.add_argument("--batch-size", type=int, default=16, help="sequences per generate call")
 parser.add_argument("--seed", type=int, default=0,
-                    help="sampling seed (the problems do not depend on it)")
+                    help="sampling seed, 0-4095: each seed its own draws (the problems do not "
+                         "depend on it)")
 parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="model dtype; auto = bf16 where the device computes it natively "
                          "(runtime.py)")
@@ -128,6 +129,17 @@ def completion_record(example, index, sample, completion):
     return record
 
 
+def batch_seed(seed, b):
+    """The seed of batch b's own stream under --seed `seed`: b + seed * 2**20, which every
+    generator keeps whole (the CPU's mt19937 keeps only the low 32 bits, so the old
+    seed * 2**32 + b gave every seed the same draws). Seed 0 is the old stream, b; seeds differ
+    for up to 2**20 batches and 4,096 seeds."""
+    if not 0 <= seed < 2**12 or b >= 2**20:
+        raise ValueError(f"eval seeds are 0-4095 and batches fewer than 2**20, got seed {seed}, "
+                         f"batch {b}")
+    return b + seed * 2**20
+
+
 def evaluate(model, tokenizer, examples, samples=1, max_new_tokens=1024, temperature=1.0, top_p=1.0,
              batch_size=16, chat_template=True, seed=0, rank=0, world_size=1):
     """Sample `samples` completions per example, score them, return (metrics, completion records).
@@ -152,8 +164,7 @@ def evaluate(model, tokenizer, examples, samples=1, max_new_tokens=1024, tempera
     records = []
     for b in tqdm(range(rank, len(batches), world_size), desc="eval", disable=rank != 0,
                   leave=False):
-        # batch b's own stream
-        generator = torch.Generator(device=device).manual_seed(seed * 2**32 + b)
+        generator = torch.Generator(device=device).manual_seed(batch_seed(seed, b))
         with torch.no_grad():
             rollout = generate(model, [prompts[i] for i, _ in batches[b]], max_new_tokens,
                                temperature, top_p, eos_token_id, generator)
@@ -172,6 +183,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.samples < 1 or args.batch_size < 1:
         parser.error("--samples and --batch-size must be at least 1")
+    if not 0 <= args.seed < 2**12:
+        parser.error(f"--seed must be 0-4095, got {args.seed}")
     rank, world_size, device, dtype = runtime.start(args.dtype)
     try:  # problems first (fast, and they name bad task names), then the model
         tasks = {name: data.load_task(name, split="test", limit=args.limit)

@@ -233,3 +233,30 @@ def test_plot_table_lists_final_results(tmp_path):
     # reward: mean of steps 5-9 = 0.7; K1: the finite ones of the last 5 (1.0); one skipped step
     assert lines[2] == "| k1-in-reward β=0.05 | 0.750 ± 0.030 | 0.700 | 1.000 |  |  | 1 |"
     assert lines[3] == "| base | 0.400 ± 0.040 |  |  |  |  |  |"
+
+
+def test_each_seed_draws_its_own_samples(tmp_path, smollm2_tokenizer, tiny_llama, one_thread):
+    """--seed S: every seed its own stream (the old seed * 2**32 + b drew the same samples for
+    every seed: the CPU generator keeps 32 bits); the same seed twice draws the same; seed 0 is
+    the old stream (manual_seed(b)), so evaluations made before the fix are seed 0's."""
+    tokenizer = smollm2_tokenizer
+    model = tiny_llama(len(tokenizer), eos_token_id=tokenizer.eos_token_id).eval()
+    task = tmp_path / "task.jsonl"
+    task.write_text("".join(json.dumps(row) + "\n" for row in TASK_ROWS[:3]))
+    examples = evaluation.data.load_task(str(task), split="test")
+
+    def draw(seed):
+        _, records = evaluation.evaluate(model, tokenizer, examples, samples=2, max_new_tokens=6,
+                                         batch_size=4, seed=seed)
+        return [record["completion"] for record in records]
+
+    seed0, seed1, seed2 = draw(0), draw(1), draw(2)
+    assert draw(0) == seed0
+    assert seed0 != seed1 and seed1 != seed2 and seed0 != seed2
+    # no sample of seed 1 repeats seed 0's in the same position (a shared stream would)
+    assert sum(a == b for a, b in zip(seed0, seed1)) <= 1
+    # seed 0 is the stream each batch b had before: torch.Generator().manual_seed(b)
+    assert [evaluation.batch_seed(0, b) for b in range(3)] == [0, 1, 2]
+    assert len({evaluation.batch_seed(seed, b) for seed in range(8) for b in range(64)}) == 8 * 64
+    with pytest.raises(ValueError, match="0-4095"):
+        evaluation.batch_seed(4096, 0)

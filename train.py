@@ -183,6 +183,7 @@ def check_flags(args, world_size):
         (args.micro_batch >= 1 and args.max_new_tokens >= 1 and args.steps >= 0 and args.lr > 0,
          "--micro-batch and --max-new-tokens must be >= 1, --steps >= 0, --lr > 0"),
         (args.temperature > 0, "--temperature must be > 0"),
+        (0 <= args.seed < 2**12, f"--seed must be 0-4095 (eval.py's seeds), got {args.seed}"),
         (args.async_lag >= 0 and args.is_cap > 0, "--async-lag must be >= 0, --is-cap > 0"),
         (args.place != "weighted" or args.kl == "k1", "--place weighted weights K1: use --kl k1"),
         (args.behaviour == "sampler" or not args.async_lag,

@@ -88,6 +88,9 @@ def scale(base, train=(), **rest):
 
 
 BASE = {"label": "base model", "flags": None}
+# fig7's setting without its rate and beta: prime-rl's loss and Dr. GRPO at lag 10 (sec. 4.2)
+FIG7_CPU = {"async-lag": 10, "loss": "truncated", "advantage": "drgrpo"}
+CALIBRATION_RATES = (1e-5, 1.5e-5, 2e-5)
 K1_REWARD_1 = {"label": "K1-in-reward, beta 1", "flags": {"kl": "k1", "place": "reward", "beta": 1}}
 PLANS = {
     "fig3": {
@@ -135,6 +138,48 @@ PLANS = {
             {"name": "Fig. 11 (app. D.2): K1-in-reward with 4 minibatches stays stable",
              "collapses": "k1-loss-1", "holds": "k1-reward-1", "about": "holds"},
         ],
+    },
+    # issue 28: Fig. 7 as a dose-response study (studies/PREREGISTRATION.md, second part).
+    # Stage 1 finds lr*, the lowest rate where no KL at lag 10 is unstable (chosen_lr)
+    "fig7-calibration": {
+        "title": "Fig. 7, calibration: no KL at lag 10 by learning rate, and lag 0 at 2e-5",
+        "seeds": [0, 1, 2],
+        "runs": {
+            "base": BASE,
+            **{f"nokl-lag10-lr{lr:g}": {"label": f"no KL, lag 10, lr {lr:g}",
+                                        "flags": {"kl": "k1", "place": "none", "lr": lr}}
+               for lr in CALIBRATION_RATES},
+            # trained only when the three rates above leave lr* undecided (chosen_lr says so)
+            "nokl-lag10-lr2.5e-05": {"label": "no KL, lag 10, lr 2.5e-05", "on_demand": True,
+                                     "flags": {"kl": "k1", "place": "none", "lr": 2.5e-5}},
+            "nokl-lag0-lr2e-05": {"label": "no KL, lag 0, lr 2e-05",
+                                  "flags": {"kl": "k1", "place": "none", "lr": 2e-5,
+                                            "async-lag": 0}},
+        },
+        "scales": {"cpu": scale(CPU, FIG7_CPU, eval={**CPU["eval"], "samples": 4})},
+        "findings": [],
+        "choose_lr": True,
+    },
+    # stage 2: the KL at lr* (its --lr is filled in from stage 1's outputs by main), 5 paired seeds
+    "fig7-dose": {
+        "title": "Fig. 7 at lr*: K1-in-reward and K3-in-loss at beta 0.05 and 0.5 against no KL "
+                 "(lag 10)",
+        "seeds": [0, 1, 2, 3, 4],
+        "runs": {
+            "base": BASE,
+            "nokl": {"label": "no KL", "flags": {"kl": "k1", "place": "none"}},
+            **{f"{kl}-{place}-{beta:g}": {"label": f"{kl.upper()}-in-{place}, beta {beta:g}",
+                                          "flags": {"kl": kl, "place": place, "beta": beta}}
+               for kl, place in (("k1", "reward"), ("k3", "loss")) for beta in (0.05, 0.5)},
+        },
+        "scales": {"cpu": scale(CPU, {**FIG7_CPU, "lr": None},
+                                eval={**CPU["eval"], "samples": 4})},
+        "findings": [{"name": f"Fig. 7 (sec. 4.2): {kl.upper()}-in-{place} at beta {beta:g} "
+                              f"stabilizes lag 10 where no KL is unstable",
+                      "collapses": "nokl", "holds": f"{kl}-{place}-{beta:g}", "about": "paired"}
+                     for kl, place in (("k1", "reward"), ("k3", "loss")) for beta in (0.05, 0.5)],
+        "lr_from": "fig7-calibration",
+        "one_kind_per_seed": True,
     },
     "fig7": {
         "title": "Fig. 7 (sec. 4.2): asynchronous, lag 10; no KL against K1-in-reward and "
@@ -220,7 +265,9 @@ def render(flags):
 def train_flags(plan, scale_name, name, seed, steps=None):
     """The train.py flags of configuration `name` at `seed` (without --out and --resume)."""
     setting = plan["scales"][scale_name]
-    flags = {**plan["runs"][name]["flags"], **setting["train"], "seed": seed}
+    run = plan["runs"][name]["flags"]  # a configuration's own flags win over its scale's
+    flags = {**run, **{key: run.get(key, value) for key, value in setting["train"].items()},
+             "seed": seed}
     if steps is not None:
         flags["steps"] = steps
     return flags
@@ -537,6 +584,40 @@ def verdict(finding, results, seeds):
     return ("not reproduced" if counts[x] >= m else "inconclusive"), reason
 
 
+def unstable(results, base, seeds):
+    """Stage 1's rule (fig7-calibration): (unstable?, reason) of a configuration's results over
+    seeds: the mean of base_S - run_S is at least 0.10, or at least 1 seed collapsed."""
+    falls = [base[seed]["accuracy"] - results[seed]["accuracy"] for seed in seeds
+             if "diverged" not in results[seed]]
+    down = sum(collapsed(results[seed], base[seed]) for seed in seeds)
+    mean_fall = sum(falls) / len(falls) if falls else math.inf
+    return (mean_fall >= 0.10 or down >= 1,
+            f"mean fall from the base {mean_fall:.3f}, collapsed in {down} of {len(seeds)}")
+
+
+def chosen_lr(studies, setting):
+    """lr* of fig7-dose from fig7-calibration's outputs in `studies` (studies/PREREGISTRATION.md,
+    stage 1): (lr, reason), or (None, what it waits for)."""
+    plan = PLANS["fig7-calibration"]
+    read = lambda name: {seed: read_result(studies / f"{name}-seed{seed}", setting)  # noqa: E731
+                         for seed in plan["seeds"]}
+    base, reasons = read("base"), []
+    for lr in CALIBRATION_RATES + (2.5e-5,):
+        name = f"nokl-lag10-lr{lr:g}"
+        results = read(name)
+        missing = [f"{key} seed {seed}" for key, by_seed in (("base", base), (name, results))
+                   for seed, result in by_seed.items() if result is None]
+        if missing:
+            return None, "waiting for " + ", ".join(missing) + " of fig7-calibration" + (
+                f" (python study.py fig7-calibration --only {name})"
+                if plan["runs"][name].get("on_demand") else "")
+        is_unstable, reason = unstable(results, base, plan["seeds"])
+        reasons.append(f"lr {lr:g}: {reason}")
+        if is_unstable:
+            return lr, "; ".join(reasons) + f": lr* = {lr:g}, the lowest unstable rate"
+    return 3e-5, "; ".join(reasons) + ": none unstable, lr* = 3e-05 (fig7: 3 of 3 collapsed)"
+
+
 def summary(values):
     """'mean [min, max]' of a list of numbers ('' when empty)."""
     if not values:
@@ -721,7 +802,15 @@ def main(argv=None):
         parser.error("--scale paper: a job takes all 8 GPUs; use --lanes 1")
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
-    only = list(plan["runs"]) if args.only is None else args.only.split(",")
+    if plan.get("lr_from"):  # fig7-dose: --lr is stage 1's lr*, decided by its rule
+        lr, reason = chosen_lr(Path(args.studies_dir) / plan["lr_from"],
+                               PLANS[plan["lr_from"]]["scales"][args.scale])
+        if lr is None:
+            parser.error(f"plan {args.plan} runs at the lr* of {plan['lr_from']}: {reason}")
+        plan["scales"][args.scale]["train"]["lr"] = lr
+        print(f"{args.plan}: {reason}", flush=True)
+    only = ([name for name, run in plan["runs"].items() if not run.get("on_demand")]
+            if args.only is None else args.only.split(","))
     unknown = [name for name in only if name not in plan["runs"]]
     if unknown:
         parser.error(f"--only: no configuration {', '.join(unknown)} in plan {args.plan} "

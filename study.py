@@ -390,6 +390,25 @@ def reuse_problem(source, flags, setting):
     return None
 
 
+def cpu_sessions(folder):
+    """The sessions of FOLDER/machine.json that name a CPU (trained, resumed or evaluated there)."""
+    path = folder / "machine.json"
+    sessions = json.loads(path.read_text())["sessions"] if path.is_file() else []
+    return [session for session in sessions if session.get("cpu")]
+
+
+def other_kind(plan, args, seed, cpu):
+    """Why seed `seed` of a one-kind-per-seed plan cannot run on `cpu`, or None: its finished runs,
+    and its runs in progress, trained or evaluated on another kind of CPU."""
+    for name in plan["runs"]:
+        for folder in (args.studies / f"{name}-seed{seed}", args.runs / f"{name}-seed{seed}"):
+            kinds = {session["cpu"] for session in cpu_sessions(folder)} - {cpu}
+            if kinds:
+                return (f"seed {seed}'s runs are on {', '.join(sorted(kinds))} ({folder}), this "
+                        f"is {cpu}: one kind of CPU per seed (studies/PREREGISTRATION.md)")
+    return None
+
+
 def reuse(source, target, setting):
     """Copy a committed run's small outputs (`source`, relative to the repository) into `target`,
     machine.json saying where from."""
@@ -400,6 +419,8 @@ def reuse(source, target, setting):
     entry = {"stage": "reused", "reused_from": name, "train_dtype": sampler_dtype(source),
              "note": "" if (source / "machine.json").is_file() else
              "no machine record: train_dtype inferred from mismatch_kl"}
+    for session in cpu_sessions(source):  # where the source trained and evaluated, kept
+        record(target, session)
     record(target, entry)
     (target / setting["eval_dir"]).mkdir(exist_ok=True)
     shutil.copy(source / setting["eval_dir"] / "eval.json", target / setting["eval_dir"])
@@ -447,6 +468,10 @@ def run_job(plan, args, name, seed, threads, say):
             say(f"{name} seed {seed}: reused {source}")
             return None
         say(f"{name} seed {seed}: not reusing {source}: {problem}")
+    if plan.get("one_kind_per_seed"):
+        problem = other_kind(plan, args, seed, machine("check", None, None, None)["cpu"])
+        if problem:
+            return f"{name} seed {seed}: not run: {problem}"
     is_training = plan["runs"][name]["flags"] is not None
     finished = (run_dir / "final").is_dir() and checkpoint.missing(run_dir / "final") is None
     # always --resume: train.py continues from the newest checkpoint, or starts when there is none
@@ -565,6 +590,47 @@ def collapsed(result, base):
     return base["accuracy"] - result["accuracy"] > margin
 
 
+# two-sided 95% quantiles of Student's t by the number of seeds (degrees of freedom + 1)
+T95 = {2: 12.706, 3: 4.303, 4: 3.182, 5: 2.776, 6: 2.571, 7: 2.447, 8: 2.365, 9: 2.306, 10: 2.262}
+
+
+def accuracy(result):
+    """A final mean@k; a diverged run scores 0 (it ends with no usable model)."""
+    return 0.0 if "diverged" in result else result["accuracy"]
+
+
+def contrast(results, x, y, seeds):
+    """The paired contrast of fig7-dose: each seed's d_S = y_S - x_S, their mean, its 95% t interval
+    over seeds, and D, the mean fall of x from the base model."""
+    d = [accuracy(results[y][seed]) - accuracy(results[x][seed]) for seed in seeds]
+    n, mean = len(d), sum(d) / len(d)
+    se = math.sqrt(sum((v - mean) ** 2 for v in d) / (n - 1) / n)
+    fall = sum(accuracy(results["base"][seed]) - accuracy(results[x][seed]) for seed in seeds) / n
+    return {"d": d, "mean": mean, "se": se, "low": mean - T95[n] * se,
+            "high": mean + T95[n] * se, "fall": fall}
+
+
+def paired_verdict(x, y, results, seeds):
+    """Stage 2's rule (fig7-dose; studies/PREREGISTRATION.md): does y (a KL) stabilize where x (no
+    KL) is unstable? On the paired contrast's 95% interval and the collapse counts."""
+    m = len(seeds) // 2 + 1
+    counts = {name: sum(collapsed(results[name][seed], results["base"][seed]) for seed in seeds)
+              for name in (x, y)}
+    c = contrast(results, x, y, seeds)
+    reason = (f"{y} - {x}: {c['mean']:+.3f} [{c['low']:+.3f}, {c['high']:+.3f}] (95% t interval "
+              f"over {len(seeds)} seeds); {x} falls {c['fall']:.3f} from the base; collapsed: "
+              f"{x} {counts[x]}, {y} {counts[y]} of {len(seeds)}")
+    if c["fall"] < 0.10 and counts[x] == 0:
+        return "inconclusive in this regime", reason + " (no KL is not unstable)"
+    if counts[x] >= m and counts[y] >= m:
+        return "inconclusive in this regime", reason + f" (both collapsed in >= {m})"
+    if c["low"] > 0 and counts[y] < counts[x]:
+        return "reproduced", reason
+    if c["high"] < c["fall"] / 2:
+        return "not reproduced", reason + " (recovers less than half of no KL's fall)"
+    return "inconclusive", reason
+
+
 def verdict(finding, results, seeds):
     """(verdict, reason) of a finding from results[name][seed] (a result, or None when missing)."""
     x, y = finding["collapses"], finding["holds"]
@@ -572,6 +638,8 @@ def verdict(finding, results, seeds):
                if results[name].get(seed) is None]
     if missing:
         return "incomplete", "waiting for " + ", ".join(missing)
+    if finding["about"] == "paired":
+        return paired_verdict(x, y, results, seeds)
     m = len(seeds) // 2 + 1
     counts = {name: sum(collapsed(results[name][seed], results["base"][seed]) for seed in seeds)
               for name in (x, y)}
@@ -665,6 +733,29 @@ def aggregate(plan, args, seeds):
              "", table, "", f"Verdicts (studies/PREREGISTRATION.md; seeds "
              f"{','.join(map(str, plan['seeds']))}):", ""]
     lines += [f"- **{label}**: {finding['name']}. {reason}." for finding, label, reason in verdicts]
+    paired = [finding for finding in plan["findings"] if finding["about"] == "paired"]
+    if paired and all(result for name in ("base", "nokl") for result in registered[name].values()):
+        lines += ["", "| KL against no KL | each seed's d = KL - no KL | mean d [95% t interval] | "
+                      "share of no KL's fall recovered |", "|---|---|---|---|"]
+        for finding in paired:
+            if all(registered[finding["holds"]].values()):
+                c = contrast(registered, "nokl", finding["holds"], plan["seeds"])
+                lines.append(f"| {plan['runs'][finding['holds']]['label']} | "
+                             f"{', '.join(f'{v:+.3f}' for v in c['d'])} | {c['mean']:+.3f} "
+                             f"[{c['low']:+.3f}, {c['high']:+.3f}] | "
+                             f"{c['mean'] / c['fall']:.2f} (of {c['fall']:.3f}) |")
+    if plan.get("choose_lr"):  # fig7-calibration: lr* and the lag-0 arm, by stage 1's rule
+        lr, reason = chosen_lr(args.studies, setting)
+        lines += [f"- lr* for fig7-dose: {reason}."]
+        lag0 = registered["nokl-lag0-lr2e-05"]
+        if all(lag0.values()) and all(registered["base"].values()):
+            is_unstable, why = unstable(lag0, registered["base"], plan["seeds"])
+            lines += [f"- lag 0 at lr 2e-05 is {'' if is_unstable else 'not '}unstable: {why}."]
+    if plan.get("one_kind_per_seed"):
+        kinds = {seed: sorted({session["cpu"] for by_seed in folders.values()
+                               for session in cpu_sessions(by_seed[seed])}) for seed in seeds}
+        lines += ["", "CPU of each seed's runs: " + "; ".join(
+            f"seed {seed}: {', '.join(kind) or '-'}" for seed, kind in kinds.items()) + "."]
     dtypes = sorted({session.get("train_dtype") for name, by_seed in folders.items()
                      for folder in by_seed.values() if (folder / "machine.json").is_file()
                      for session in json.loads((folder / "machine.json").read_text())["sessions"]}
@@ -808,6 +899,10 @@ def main(argv=None):
         if lr is None:
             parser.error(f"plan {args.plan} runs at the lr* of {plan['lr_from']}: {reason}")
         plan["scales"][args.scale]["train"]["lr"] = lr
+        # no KL's seeds 0-2 are the calibration's runs at lr* (reuse_problem checks them)
+        plan["scales"][args.scale]["reuse"] = {"nokl": {
+            seed: str(Path(args.studies_dir) / plan["lr_from"] / f"nokl-lag10-lr{lr:g}-seed{seed}")
+            for seed in PLANS[plan["lr_from"]]["seeds"]}}
         print(f"{args.plan}: {reason}", flush=True)
     only = ([name for name, run in plan["runs"].items() if not run.get("on_demand")]
             if args.only is None else args.only.split(","))

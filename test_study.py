@@ -75,6 +75,116 @@ def test_a_verdict_waits_for_every_seed():
     assert study.verdict(ABOUT_X, results([DOWN, UP], [UP, UP]), [0, 1])[0] == "not reproduced"
 
 
+# ---------------------------------------------------------------- the dose-response rules (fig7)
+PAIRED = {"name": "Y stabilizes", "collapses": "x", "holds": "y", "about": "paired"}
+
+
+def paired(x, y, base=0.40, stderr=0.03):
+    return {"base": {seed: result(base, stderr) for seed in range(len(x))},
+            "x": {seed: result(value, stderr) for seed, value in enumerate(x)},
+            "y": {seed: result(value, stderr) for seed, value in enumerate(y)}}
+
+
+@pytest.mark.parametrize("x, y, label", [
+    # no KL falls 0.20 on average and collapses in 4 of 5; the KL recovers most of it
+    ([0.20, 0.22, 0.18, 0.25, 0.38], [0.36, 0.40, 0.35, 0.41, 0.39], "reproduced"),
+    # no KL collapses in 2 of 5 (falls 0.086 on average); the KL does no better and collapses in
+    # the same 2: the interval's top (+0.016) is under half of no KL's fall (0.043)
+    ([0.20, 0.22, 0.38, 0.39, 0.38], [0.21, 0.24, 0.36, 0.38, 0.37], "not reproduced"),
+    # both collapse in at least 3 of 5: the symmetric rule, whatever the contrast
+    ([0.10, 0.10, 0.10, 0.10, 0.10], [0.25, 0.25, 0.25, 0.40, 0.40], "inconclusive in this regime"),
+    # no KL is not unstable (falls 0.02, no collapse): nothing to stabilize
+    ([0.38, 0.38, 0.38, 0.38, 0.38], [0.40, 0.41, 0.42, 0.40, 0.41], "inconclusive in this regime"),
+    # helps in the mean but the seeds disagree: the interval spans 0 and reaches past half the fall
+    ([0.20, 0.22, 0.18, 0.25, 0.38], [0.45, 0.10, 0.40, 0.15, 0.40], "inconclusive"),
+])
+def test_paired_verdict_rule(x, y, label):
+    assert study.verdict(PAIRED, paired(x, y), list(range(5)))[0] == label
+
+
+def test_paired_contrast_by_hand():
+    c = study.contrast(paired([0.2, 0.3, 0.4], [0.3, 0.3, 0.6]), "x", "y", [0, 1, 2])
+    # d = 0.1, 0, 0.2: mean 0.1, sd 0.1, se 0.1 / sqrt(3); t(2 df) = 4.303
+    assert c["mean"] == pytest.approx(0.1) and c["se"] == pytest.approx(0.1 / 3 ** 0.5)
+    assert c["low"] == pytest.approx(0.1 - 4.303 * 0.1 / 3 ** 0.5)
+    assert c["fall"] == pytest.approx(0.1)  # base 0.4 minus no KL's mean 0.3
+    diverged = paired([0.2, 0.3, 0.4], [0.3, 0.3, 0.6])
+    diverged["y"][1] = {"diverged": "non-finite"}
+    assert study.contrast(diverged, "x", "y", [0, 1, 2])["d"][1] == pytest.approx(-0.3)
+
+
+def write_eval(folder, accuracy, stderr=0.02, cpu=None):
+    (folder / "eval-arith").mkdir(parents=True)
+    (folder / "eval-arith/eval.json").write_text(json.dumps(
+        {"arith": {"accuracy": accuracy, "stderr": stderr, "samples": 4}}))
+    if cpu:
+        (folder / "machine.json").write_text(json.dumps({"sessions": [{"cpu": cpu}]}))
+
+
+@pytest.mark.parametrize("falls, lr", [
+    ({1e-5: [0.0, 0.0, 0.02], 1.5e-5: [0.12, 0.10, 0.09], 2e-5: [0.3] * 3}, 1.5e-5),  # mean 0.103
+    ({1e-5: [0.0, 0.0, 0.02], 1.5e-5: [0.0, 0.0, 0.07], 2e-5: [0.0, 0.0, 0.01]}, 1.5e-5),  # 1 down
+    ({1e-5: [0.09, 0.1, 0.1], 1.5e-5: [0.0] * 3, 2e-5: [0.0] * 3}, 1e-5),
+    ({1e-5: [0.0] * 3, 1.5e-5: [0.0] * 3, 2e-5: [0.05] * 3, 2.5e-5: [0.05] * 3}, 3e-5),
+    ({1e-5: [0.0] * 3, 1.5e-5: [0.0] * 3, 2e-5: [0.05] * 3}, None),  # waits for 2.5e-5
+])
+def test_calibration_rule_picks_the_lowest_unstable_rate(tmp_path, falls, lr):
+    """Stage 1 (studies/PREREGISTRATION.md): unstable = a mean fall >= 0.10 or >= 1 of 3
+    collapsed (a fall of 0.07 at stderr 0.02 is > 2 sqrt(2) 0.02 = 0.057)."""
+    setting = study.PLANS["fig7-calibration"]["scales"]["cpu"]
+    for seed in range(3):
+        write_eval(tmp_path / f"base-seed{seed}", 0.40)
+        for rate, by_seed in falls.items():
+            write_eval(tmp_path / f"nokl-lag10-lr{rate:g}-seed{seed}", 0.40 - by_seed[seed])
+    chosen, reason = study.chosen_lr(tmp_path, setting)
+    assert chosen == lr, reason
+    if lr is None:
+        assert "--only nokl-lag10-lr2.5e-05" in reason
+
+
+def test_dose_waits_for_its_rate_then_reuses_and_keeps_one_cpu_per_seed(tmp_path, capsys,
+                                                                       monkeypatch):
+    studies = tmp_path / "studies"
+    argv = ["fig7-dose", "--studies-dir", str(studies), "--runs-dir", str(tmp_path / "runs")]
+    with pytest.raises(SystemExit):
+        study.main([*argv, "--print"])
+    assert "waiting for base seed 0" in capsys.readouterr().err
+    for seed in range(3):  # lr 1e-5 collapses in seed 2
+        write_eval(studies / f"fig7-calibration/base-seed{seed}", 0.40)
+        write_eval(studies / f"fig7-calibration/nokl-lag10-lr1e-05-seed{seed}",
+                   [0.40, 0.41, 0.20][seed])
+    study.main([*argv, "--print"])
+    out = capsys.readouterr().out
+    assert "lr* = 1e-05" in out
+    trains = [line for line in out.splitlines() if " train.py " in line]
+    assert len(trains) == 5 * 5 and all(" --lr 1e-05 " in line for line in trains)
+    assert sum("--beta 0.5 " in line for line in trains) == 10
+    assert "nokl seed 0: reused from" in out and "nokl-lag10-lr1e-05-seed0" in out
+    # a seed whose runs are on another CPU is not run here
+    plan = study.PLANS["fig7-dose"]
+    args = study.parser.parse_args(argv)
+    args.studies, args.runs = studies / "fig7-dose", tmp_path / "runs/fig7-dose"
+    write_eval(args.studies / "k3-loss-0.5-seed3", 0.3, cpu="Elsewhere CPU")
+    assert "Elsewhere CPU" in study.other_kind(plan, args, 3, "This CPU")
+    assert study.other_kind(plan, args, 3, "Elsewhere CPU") is None
+    assert study.other_kind(plan, args, 4, "This CPU") is None
+    monkeypatch.setattr(study, "machine", lambda *a: {"cpu": "This CPU"})
+
+    def trains(*args, **kwargs):
+        raise AssertionError("run_job trained seed 3 on another kind of CPU")
+
+    monkeypatch.setattr(study.subprocess, "run", trains)
+    error = study.run_job(plan, args, "nokl", 3, 1, print)
+    assert "not run" in error and "one kind of CPU per seed" in error
+
+
+def test_a_configuration_flag_wins_over_its_scale():
+    plan = study.PLANS["fig7-calibration"]
+    assert study.train_flags(plan, "cpu", "nokl-lag0-lr2e-05", 0)["async-lag"] == 0
+    assert study.train_flags(plan, "cpu", "nokl-lag10-lr1.5e-05", 0)["lr"] == 1.5e-5
+    assert study.train_flags(plan, "cpu", "nokl-lag10-lr1.5e-05", 0)["async-lag"] == 10
+
+
 # ---------------------------------------------------------------- reuse and commands
 def test_reuse_rule_on_the_committed_runs(monkeypatch, tmp_path):
     setting = study.PLANS["fig3"]["scales"]["cpu"]
@@ -120,16 +230,18 @@ def test_a_reused_run_is_copied_not_trained(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("scale", ["cpu", "paper"])
-@pytest.mark.parametrize("plan", ["fig3", "fig2c", "fig7"])
+@pytest.mark.parametrize("plan", ["fig3", "fig2c", "fig7", "fig7-calibration"])
 def test_printed_commands_parse(plan, scale, capsys, monkeypatch):
     import eval as evaluation
     import train
 
+    if scale not in study.PLANS[plan]["scales"]:
+        pytest.skip(f"{plan} has no {scale} scale")
     monkeypatch.setenv("RANK", "0")  # as under torchrun, which --fsdp needs
     study.main([plan, "--print", "--scale", scale])
     lines = [line.split() for line in capsys.readouterr().out.splitlines()
              if " train.py " in line or " eval.py " in line]
-    runs = study.PLANS[plan]["runs"]
+    runs = [name for name, run in study.PLANS[plan]["runs"].items() if not run.get("on_demand")]
     assert len(lines) == 3 * (2 * len(runs) - 1)  # every seed: train and eval, the base eval only
     for words in lines:
         script = next(i for i, word in enumerate(words) if word.endswith(".py"))

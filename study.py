@@ -114,7 +114,8 @@ PLANS = {
         "findings": [
             {"name": "Fig. 3 (sec. 4.1, Observation 2): K3-in-reward collapses",
              "collapses": "k3-reward-1", "holds": "k1-reward-1", "about": "collapses"},
-            {"name": "Fig. 3 as the paper ran it (verl's clamp): K3-in-reward collapses",
+            {"name": "Fig. 3 with verl's clamp (our inference of how the paper ran K3): "
+                     "K3-in-reward collapses",
              "collapses": "k3-reward-1-verl", "holds": "k1-reward-1", "about": "collapses"},
         ],
     },

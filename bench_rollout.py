@@ -39,7 +39,7 @@ import torch  # noqa: E402  (after argparse so --help is instant)
 
 import data  # noqa: E402
 from model import load_model, load_tokenizer  # noqa: E402
-from rollout import generate  # noqa: E402
+from rollout import flash_choice, generate  # noqa: E402
 
 if args.threads:
     torch.set_num_threads(args.threads)
@@ -192,6 +192,8 @@ print(f"SmolLM2-135M-Instruct, {args.prompts} MATH500 prompts x {args.samples} s
       f"= batch {len(batch)}, prompt lengths {min(map(len, prompts))}-{max(map(len, prompts))}, "
       f"threads {torch.get_num_threads()}, device "
       f"{torch.cuda.get_device_name() if DEVICE.type == 'cuda' else 'cpu'}")
+if DEVICE.type == "cuda":  # which attention ours decodes with (rollout.flash_choice)
+    print(f"bf16: {flash_choice(DEVICE, torch.bfloat16)[1]}")
 with open("/proc/loadavg") as f:
     print(f"load average at start: {f.read().split()[:3]}")
 peak = {name: matmul_peak(dtype) for name, dtype in DTYPES.items()}

@@ -50,7 +50,7 @@ import data
 import runtime
 from reward import extract_boxed
 from model import load_model, load_tokenizer, stop_token_ids
-from rollout import flash_attn_status, generate
+from rollout import flash_choice, generate
 
 parser = argparse.ArgumentParser(description="mean@k evaluation of a model on verifiable tasks")
 parser.add_argument("--model", required=True,
@@ -194,8 +194,8 @@ def main(argv=None):
     except (ValueError, OSError, RuntimeError) as error:
         parser.error((str(error) or type(error).__name__).splitlines()[0])
 
-    if device.type == "cuda" and rank == 0:
-        print(flash_attn_status()[1])
+    if device.type == "cuda" and rank == 0:  # what generate will attend with, by its own rule
+        print(flash_choice(device, next(model.parameters()).dtype)[1])
     out = Path(args.out)
     results, completions = {}, []
     for name, examples in tasks.items():

@@ -22,10 +22,13 @@ The exact variant:
   temperature=0 is greedy, a point mass, so its log-probs are 0 (= log 1). Tokens are drawn by
   inverse CDF with one uniform per (row, step) taken from `generator` up front, so a row's sample
   depends on the seed and its row index only, not on when the other rows finish.
-- Attention: `flash_attn_with_kvcache` when flash-attn is installed and the tensors are on CUDA in
-  bf16/fp16; PyTorch's scaled_dot_product_attention over the same cache otherwise. SDPA has no
-  per-row lengths, so each bucket of consecutive rows attends over the slots of its own longest row
-  only.
+- Attention: `flash_attn_with_kvcache` where `flash_choice(device, dtype)` says so (CUDA, fp16 or
+  bf16, compute capability 8.0 or higher, flash-attn importable); PyTorch's
+  scaled_dot_product_attention over the same cache otherwise. SDPA has no per-row lengths, so each
+  bucket of consecutive rows attends over the slots of its own longest row only. train.py and
+  eval.py print flash_choice's reason, so what they say is what runs. The flash branch is tested on
+  a CPU against a pure-PyTorch stand-in of the kernel (test_cuda_paths.py), on a GPU by test_gpu.py
+  and gpu_check.py.
 """
 import functools
 import importlib.util
@@ -62,15 +65,15 @@ class KVCache:
     k: torch.Tensor  # (layers, rows, max_len, kv_heads, head_dim)
     v: torch.Tensor
     seqlens: torch.Tensor  # (rows,) int32: slots filled in each row
-    flash: bool  # attend with flash_attn_with_kvcache (CUDA, bf16/fp16, flash-attn installed)
+    flash: bool  # attend with flash_attn_with_kvcache (flash_choice)
 
 
 @functools.cache
 def flash_attn_status():
     """(usable, reason): whether flash-attn imports here, probed once. A wheel built for another
     torch or CUDA is found by find_spec but fails on import; that must show at start-up, not inside
-    the first decode after a 7B model has loaded. train.py and eval.py print the reason; generate()
-    then uses SDPA."""
+    the first decode after a 7B model has loaded (flash_choice reports it; generate() then uses
+    SDPA)."""
     if importlib.util.find_spec("flash_attn") is None:
         return False, "flash-attn is not installed: decoding with PyTorch SDPA"
     try:
@@ -81,6 +84,26 @@ def flash_attn_status():
         return False, (f"flash-attn is installed but does not import ({message}): "
                        "decoding with PyTorch SDPA")
     return True, "flash-attn imports: decoding with flash_attn_with_kvcache on CUDA"
+
+
+def flash_choice(device, dtype):
+    """(use, reason): whether generate() attends with flash_attn_with_kvcache for a model on
+    `device` in `dtype`, and the one line train.py and eval.py print. flash-attn 2's kernel runs on
+    CUDA in fp16 or bf16 only, and only on compute capability 8.0 or higher (Ampere, Hopper, ...):
+    on a V100 (7.0) or T4 (7.5) it installs and imports, then refuses the first call
+    (flash_api.cpp: "FlashAttention only supports Ampere GPUs or newer"). Checked here, before any
+    model loads; then the import (flash_attn_status)."""
+    sdpa = "decoding with PyTorch SDPA"
+    if device.type != "cuda":
+        return False, f"{sdpa}: flash-attn runs on CUDA only, this device is {device.type}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return False, (f"{sdpa}: flash-attn computes in fp16 or bf16, this run in "
+                       f"{str(dtype).removeprefix('torch.')}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return False, (f"{sdpa}: flash-attn 2 needs compute capability 8.0 or higher (Ampere or "
+                       f"newer), this GPU has {major}.{minor}")
+    return flash_attn_status()
 
 
 def flash_attention(q, k, v, k_cache, v_cache, seqlens, scale):
@@ -279,8 +302,7 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_tok
     head_dim = model.model.layers[0].self_attn.head_dim
     shape = (config.num_hidden_layers, num_rows, max_prompt + max_new_tokens,
              config.num_key_value_heads, head_dim)
-    flash = (device.type == "cuda" and param.dtype in (torch.float16, torch.bfloat16)
-             and flash_attn_status()[0])
+    flash = flash_choice(device, param.dtype)[0]
     cache = KVCache(
         # zeros: masked slots must not be NaN
         k=torch.zeros(shape, dtype=param.dtype, device=device),

@@ -1,9 +1,12 @@
 """Processes, devices and precision: the set-up train.py and eval.py share, and their collectives.
 
-- `start(dtype)`: the process group when torchrun launched us (NCCL on CUDA, gloo on CPU), this
-  rank's device, and the compute dtype. "auto" is bf16 where the device computes it natively (CUDA
-  with bf16, CPUs with AVX512-BF16 or AMX) and fp32 elsewhere: on AVX2-only CPUs bf16 is emulated,
-  about 3x slower than fp32.
+- `start(dtype)`: this process's device, then the process group when torchrun launched us (NCCL on
+  CUDA, bound to that device; gloo on CPU), and the compute dtype. Ranks: RANK (global, over every
+  node) decides what a process does (its share of the data, its RNG, its checkpoint files, rank 0
+  the writing), LOCAL_RANK (on its own node) only which GPU it takes. "auto" is bf16 where the
+  device computes it natively (CUDA compute capability 8.0 or higher, CPUs with AVX512-BF16 or AMX)
+  and fp32 elsewhere: a V100 or T4 (7.0, 7.5) and an AVX2-only CPU emulate bf16 (on the CPU about
+  3x slower than fp32).
 - `stop_if_any_rank`, `all_reduce_sums`, `all_reduce_max`, `barrier`: the collectives of the loop.
   Every rank calls them at the same point, so a rank never stops alone and leaves the others waiting
   in a collective.
@@ -36,27 +39,35 @@ def fail(message, prog=None):
 
 
 def bf16_is_native(device):
-    """Whether bf16 arithmetic runs natively: CUDA with bf16 support, or a CPU with AVX512-BF16
-    (or AMX)."""
+    """Whether bf16 arithmetic runs natively: a CUDA GPU of compute capability 8.0 or higher (the
+    current one: start sets it), or a CPU with AVX512-BF16 (or AMX)."""
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        # is_bf16_supported() alone also counts sm70/75, which emulate bf16
+        return torch.cuda.is_bf16_supported(including_emulation=False)
     return getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
 
 
+def compute_dtype(name, device):
+    """The torch dtype of --dtype `name` on `device` ("auto": bf16 where it is native, else
+    fp32)."""
+    if name == "auto":
+        name = "bfloat16" if bf16_is_native(device) else "float32"
+    return getattr(torch, name)
+
+
 def start(dtype="auto"):
-    """(rank, world_size, device, dtype): torchrun's process group joined if it launched us, this
-    rank's device, and the compute dtype ("auto": bf16 where it is native, else fp32)."""
+    """(rank, world_size, device, dtype): this process's device (GPU LOCAL_RANK of its node), set
+    before torchrun's process group is joined, so NCCL binds to it (device_id) and not to cuda:0;
+    the global rank and world size; the compute dtype."""
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available()
-                          else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if dtype == "auto":
-        dtype = "bfloat16" if bf16_is_native(device) else "float32"
-    return rank, world_size, device, getattr(torch, dtype)
+    return rank, world_size, device, compute_dtype(dtype, device)
 
 
 def finish():

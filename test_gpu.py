@@ -1,10 +1,14 @@
-"""Tests that need a CUDA GPU (and, for the flash branch, flash-attn): `pytest -m gpu -q` on a GPU
-machine.
+"""Tests that need a CUDA GPU (and, for the flash branch, flash-attn on compute capability 8.0 or
+higher): `pytest -m gpu -q` on a GPU machine, or gpu_check.py, which runs them and more
+(docs/gpu.md).
 
-On a CPU they skip with the reason. They check the CUDA-only branches the CPU suite cannot
-reach: the sampler's flash_attn_with_kvcache path against its SDPA path on the same cache, a
-bf16 training step of train.py on CUDA (NCCL is not needed: one process), and an --async-lag
-queue saved from CUDA onto the CPU and resumed.
+On a CPU they skip with the reason. They check the CUDA-only branches the CPU suite reaches only
+through stand-ins (test_cuda_paths.py): the rule that picks flash and bf16 on this GPU (and, on a
+pre-Ampere GPU with flash-attn installed, that its kernel does refuse it); the sampler's
+flash_attn_with_kvcache path against its SDPA path on the same cache; greedy generation with each,
+token by token against the model's own forward pass; a bf16 training step of train.py on CUDA
+(NCCL is not needed: one process); and an --async-lag queue saved from CUDA onto the CPU and
+resumed.
 """
 import json
 import os
@@ -16,53 +20,76 @@ import pytest
 import torch
 
 import rollout
-from test_rollout import tiny_model
+import runtime
+from test_rollout import (PROMPTS, assert_greedy_up_to_ties, cache_for, eos_for_mixed_lengths,
+                          lively, tiny_model)
 
 ROOT = Path(__file__).parent
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(),
                                  reason="needs a CUDA GPU (pytest -m gpu)")]
-needs_flash = pytest.mark.skipif(not rollout.flash_attn_status()[0],
-                                 reason=rollout.flash_attn_status()[1])
+FLASH = (rollout.flash_choice(torch.device("cuda"), torch.bfloat16) if torch.cuda.is_available()
+         else (False, "needs a CUDA GPU"))
+needs_flash = pytest.mark.skipif(not FLASH[0], reason=FLASH[1])
+# bf16 logits of the tiny models (|z| ~ 1): flash against SDPA, and a greedy token's tie
+BF16 = dict(atol=5e-2, rtol=5e-2)
 
 
-def cache_for(model, rows, length, flash):
-    config, param = model.config, next(model.parameters())
-    head_dim = model.model.layers[0].self_attn.head_dim
-    shape = (config.num_hidden_layers, rows, length, config.num_key_value_heads, head_dim)
-    return rollout.KVCache(torch.zeros(shape, dtype=param.dtype, device=param.device),
-                           torch.zeros(shape, dtype=param.dtype, device=param.device),
-                           torch.zeros(rows, dtype=torch.int32, device=param.device), flash)
+def test_the_rules_on_this_gpu():
+    """--dtype auto is bf16 exactly where this GPU computes it natively (compute capability 8.0
+    and up), and flash is used exactly where its kernel runs. On a pre-Ampere GPU with flash-attn
+    installed, the kernel itself refuses to run: the reason flash_choice checks the capability."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    major, minor = torch.cuda.get_device_capability(device)
+    assert runtime.bf16_is_native(device) == (major >= 8)
+    assert FLASH[0] == (major >= 8 and rollout.flash_attn_status()[0]), FLASH[1]
+    if major < 8 and rollout.flash_attn_status()[0]:
+        from flash_attn import flash_attn_with_kvcache
+
+        q = torch.zeros(1, 1, 2, 64, dtype=torch.float16, device=device)
+        cache = torch.zeros(1, 8, 2, 64, dtype=torch.float16, device=device)
+        seqlens = torch.zeros(1, dtype=torch.int32, device=device)
+        with pytest.raises(RuntimeError, match="Ampere"):
+            flash_attn_with_kvcache(q, cache, cache.clone(), k=q, v=q, cache_seqlens=seqlens,
+                                    causal=True)
 
 
 @needs_flash
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
 def test_flash_equals_sdpa_on_the_same_cache(family):
     """Prefill three prompts of different lengths, then decode 8 steps feeding the same tokens to
-    both paths: the logits agree within bf16 rounding at every step."""
+    both paths: the logits agree within bf16 rounding at every step, and so do the caches (flash
+    writes into them in place)."""
     model = tiny_model(family).cuda().bfloat16()
     prompts = [[5, 9, 2, 7, 7, 1, 3], [3, 4], [8, 8, 8, 1]]
     caches = {flash: cache_for(model, 3, 32, flash) for flash in (True, False)}
     logits = {flash: rollout.prefill(model, prompts, cache) for flash, cache in caches.items()}
-    torch.testing.assert_close(logits[True], logits[False], atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(logits[True], logits[False], **BF16)
     for _ in range(8):
         tokens = logits[False].argmax(-1)
         logits = {flash: rollout.decode(model, tokens, cache) for flash, cache in caches.items()}
-        torch.testing.assert_close(logits[True], logits[False], atol=5e-2, rtol=5e-2)
+        torch.testing.assert_close(logits[True], logits[False], **BF16)
         assert torch.equal(caches[True].seqlens, caches[False].seqlens)
+        torch.testing.assert_close(caches[True].k, caches[False].k, **BF16)
 
 
-@needs_flash
-def test_flash_generate_greedy_matches_sdpa(monkeypatch):
-    """Greedy generation with flash and with SDPA (flash turned off) agree on most tokens (bf16
-    ties may break differently; a wrong cache position would diverge at once)."""
-    model = tiny_model("llama3").cuda().bfloat16()
-    prompts = [[5, 9, 2, 7, 7, 1, 3], [3, 4], [8, 8, 8, 1]] * 2
-    flash = rollout.generate(model, prompts, 24, temperature=0)
-    monkeypatch.setattr(rollout, "flash_attn_status", lambda: (False, "off for the test"))
-    sdpa = rollout.generate(model, prompts, 24, temperature=0)
-    agree = (flash.tokens == sdpa.tokens).float().mean().item()
-    assert agree > 0.9, agree
+@pytest.mark.parametrize("flash", [True, False], ids=["flash", "sdpa"])
+def test_greedy_generate_follows_the_model(monkeypatch, flash):
+    """Greedy generation on CUDA in bf16, with flash and with SDPA, prompts of 1-19 tokens (one
+    twice), an EOS that ends rows at different steps: every token is the argmax of the model's own
+    forward pass on the same prefix, up to a bf16 tie. Checked at each step on the tokens each
+    run generated, not as whole streams: one tie broken the other way early changes the rest of
+    a row and is no error; a wrong cache slot or mask is."""
+    if flash and not FLASH[0]:
+        pytest.skip(FLASH[1])
+    if not flash:
+        monkeypatch.setattr(rollout, "flash_choice", lambda device, dtype: (False, "SDPA"))
+    model = lively(tiny_model("qwen3")).cuda().bfloat16()
+    free = rollout.generate(model, PROMPTS, 24, temperature=0).response_ids
+    out = rollout.generate(model, PROMPTS, 24, temperature=0,
+                           eos_token_id=eos_for_mixed_lengths(free))
+    assert_greedy_up_to_ties(model, PROMPTS, out, **BF16)
+    assert len({len(row) for row in out.response_ids}) >= 2, "the test needs rows that stop"
 
 
 def test_bf16_train_step_on_cuda(tmp_path, letter_model):

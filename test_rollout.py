@@ -17,7 +17,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from rollout import generate
+from rollout import KVCache, generate
 
 VOCAB = 96
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -52,6 +52,26 @@ def tiny_model(family):
 FAMILIES = ["llama3", "qwen2", "qwen3"]
 
 
+def lively(model):
+    """The model with its matrices 6x Hugging Face's initial scale (Qwen3's q/k norms 3x): sharp
+    attention, so greedy rows change token as they grow and depend on what each query sees (at the
+    initial scale every row repeats one token)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 2:
+                param.mul_(6)
+            elif "q_norm" in name or "k_norm" in name:
+                param.mul_(3)
+    return model
+
+
+def eos_for_mixed_lengths(rows):
+    """The token whose first occurrence cuts the rows at the most different lengths."""
+    def lengths(token):
+        return {row.index(token) + 1 if token in row else len(row) for row in rows}
+    return max(sorted({token for row in rows for token in row}), key=lambda t: len(lengths(t)))
+
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -60,12 +80,45 @@ def model(request):
     return tiny_model(request.param)
 
 
+def cache_for(model, rows, length, flash):
+    """An empty rollout.KVCache for `rows` rows of `length` slots, on the model's device and dtype;
+    `flash` picks the attention that forward() uses on it."""
+    config, param = model.config, next(model.parameters())
+    head_dim = model.model.layers[0].self_attn.head_dim
+    shape = (config.num_hidden_layers, rows, length, config.num_key_value_heads, head_dim)
+    return KVCache(torch.zeros(shape, dtype=param.dtype, device=param.device),
+                   torch.zeros(shape, dtype=param.dtype, device=param.device),
+                   torch.zeros(rows, dtype=torch.int32, device=param.device), flash)
+
+
 def hf_greedy(model, prompt, max_new_tokens, eos_token_id=None):
     out = model.generate(torch.tensor([prompt]),
                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                          max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
                          pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def assert_greedy_up_to_ties(model, prompts, out, atol, rtol):
+    """Each token of greedy rows `out` is an argmax of the model's own full forward pass on the
+    same prefix, up to a tie within the rounding of the dtype (atol + rtol * the largest logit):
+    checked step by step on the tokens generated, so a tie broken the other way early (which
+    changes the rest of the row) is no error, while a wrong cache slot or mask is. Returns the
+    largest gap seen."""
+    worst = 0.0
+    for row, prompt in enumerate(prompts):
+        response = out.response_ids[row]
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + response], device=device)).logits[0].float()
+        logits = logits[len(prompt) - 1: len(prompt) - 1 + len(response)]
+        chosen = logits.gather(-1, torch.tensor(response, device=device)[:, None])[:, 0]
+        best = logits.max(-1).values
+        gaps = best - chosen
+        worst = max(worst, gaps.max().item())
+        assert (gaps <= atol + rtol * best.abs()).all(), (row, gaps.max().item(),
+                                                          gaps.argmax().item())
+    return worst
 
 
 def reference_logprobs(model, prompt, response, temperature=1.0):

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -176,6 +177,35 @@ def run_module(argv, patches=(), procs=None):
                           capture_output=True, text=True, timeout=300)
 
 
+def run_two_nodes(argv, logs):
+    """train.py ARGV as two torchrun agents on this machine, each a node of one process: the static
+    rendezvous of a multi-node launch (docs/gpu.md) at 127.0.0.1, so RANK is 0 and 1 and LOCAL_RANK
+    0 on both. Returns each node's exit status; its output is in logs/nodeI.log."""
+    with socket.socket() as probe:  # a free port for node 0's rendezvous store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT),
+                                          *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env.pop("TRAIN_TEST_PATCHES", None)
+    logs.mkdir(exist_ok=True)
+    agents = []
+    for node in (0, 1):
+        with open(logs / f"node{node}.log", "w") as log:
+            agents.append(subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+                 str(node), "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                 "-m", "test_train", *argv],
+                cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+    try:
+        return [agent.wait(timeout=300) for agent in agents]
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+
+
 def weights(path):
     from safetensors.torch import load_file
 
@@ -288,6 +318,16 @@ def test_gradient_checkpointing_changes_nothing(tiny, two_steps, tmp_path):
     strip = lambda rows: [{k: v for k, v in row.items() if k not in timing}  # noqa: E731
                           for row in rows]
     assert strip(metrics(tmp_path)) == strip(metrics(two_steps["out"]))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny, tmp_path_factory):
+    """torchrun --nproc_per_node=2 on one node, 2 steps, no test patches: where an interrupted or a
+    two-node run of the same flags must end, bit for bit."""
+    out = tmp_path_factory.mktemp("two_ranks")
+    result = run_module(flags(tiny, out, "--steps", "2"), procs=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
 
 
 @pytest.mark.parametrize("parallel", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
@@ -578,13 +618,12 @@ def test_a_rank_that_saves_late(tiny, tmp_path):
         assert checkpoint.missing(tmp_path / name) is None, name
 
 
-def test_a_kill_while_final_is_replaced_loses_nothing(tiny, tmp_path):
+def test_a_kill_while_final_is_replaced_loses_nothing(tiny, tmp_path, two_ranks):
     """torchrun x2, --save-every 0: 1 step, then --resume to 2 steps, killed as the new final/
     takes the old one's place. A complete checkpoint is still there (the new one), --resume
     finishes the replacement, and the run ends where a straight 2-step run ends, metrics and all."""
     import checkpoint
 
-    assert run_module(flags(tiny, tmp_path / "straight", "--steps", "2"), procs=2).returncode == 0
     out = tmp_path / "killed"
     assert run_module(flags(tiny, out, "--steps", "1"), procs=2).returncode == 0
     killed = run_module(flags(tiny, out, "--steps", "2", "--resume"), patches=("kill_final",),
@@ -596,8 +635,29 @@ def test_a_kill_while_final_is_replaced_loses_nothing(tiny, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["final"]
     assert checkpoint.step_of(out / "final") == 2
-    assert_same(weights(out / "final"), weights(tmp_path / "straight" / "final"), atol=0)
-    assert without_timings(metrics(out)) == without_timings(metrics(tmp_path / "straight"))
+    assert_same(weights(out / "final"), weights(two_ranks / "final"), atol=0)
+    assert without_timings(metrics(out)) == without_timings(metrics(two_ranks))
+
+
+def test_two_nodes_train_checkpoint_and_resume(tiny, tmp_path, two_ranks):
+    """Two torchrun agents as two nodes of one process each (gloo, 127.0.0.1: every process has
+    LOCAL_RANK 0, RANK 0 and 1), sharing --out as nodes share a filesystem: 1 step and its
+    checkpoint, then --resume to 2 steps. Each process takes its data share, RNG stream and
+    checkpoint files by its global rank (a rank taken from LOCAL_RANK would write rng_rank0.pt
+    twice and no rng_rank1.pt), rank 0 alone writes the log, and the run ends where one node's 2
+    processes end, bit for bit, metrics and all."""
+    import checkpoint
+
+    out = tmp_path / "run"
+    for extra in (["--steps", "1"], ["--steps", "2", "--resume"]):
+        codes = run_two_nodes(flags(tiny, out, *extra), tmp_path / "logs")
+        assert codes == [0, 0], [(tmp_path / "logs" / f"node{node}.log").read_text()[-3000:]
+                                 for node in (0, 1)]
+        assert checkpoint.missing(out / "final") is None
+    assert {p.name for p in (out / "final").glob("*_rank*.pt")} == {
+        "rng_rank0.pt", "rng_rank1.pt", "queue_rank0.pt", "queue_rank1.pt"}
+    assert_same(weights(out / "final"), weights(two_ranks / "final"), atol=0)
+    assert without_timings(metrics(out)) == without_timings(metrics(two_ranks))
 
 
 def test_resume_refuses_another_resolved_dtype(tiny, tmp_path):

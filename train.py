@@ -392,8 +392,8 @@ def main(argv=None):
            f"{args.kl}-in-{args.place} beta={args.beta}"
            + (f", resuming {resume_from}" if resume_from else
               ", no checkpoint to resume" if args.resume else ""))
-    if device.type == "cuda":
-        print0(rollout.flash_attn_status()[1])
+    if device.type == "cuda":  # what the sampler will attend with, by the rule it follows
+        print0(rollout.flash_choice(device, dtype)[1])
 
     G, temperature = args.group_size, args.temperature
     # --place weighted's w: capped at e^30 (exact), or at C (truncated); self-normalized

@@ -1,0 +1,264 @@
+"""The CUDA-only paths, checked on a CPU: the sampler's flash branch, and the rules that decide when
+it runs and what --dtype auto means on a GPU.
+
+- The flash branch runs against tests_fixtures/flash_attn_standin, a pure-PyTorch stand-in of
+  flash-attn's `flash_attn_with_kvcache` that follows its documented semantics and asserts its
+  preconditions (its docstring says what it cannot prove: the kernel itself, its numerics, its
+  speed). The stand-in goes on sys.path, so rollout.flash_attn_status's real import probe finds
+  it; flash_choice's CUDA, dtype and compute-capability rules are waived (the branch "forced on").
+  Then prefill and decode equal the SDPA path on the same cache, and generate equals Hugging
+  Face's greedy output, for the Llama, Qwen2 and Qwen3 layouts of test_rollout.py.
+- The rules run against torch.cuda's answers patched: one fake GPU of a given compute capability
+  whose bf16 is native (8.0 and up) or emulated (7.0, 7.5), read through torch's own
+  is_bf16_supported and get_device_capability.
+- runtime.start under torchrun on a fake node: the GPU of LOCAL_RANK, set before the process group
+  is joined and given to it.
+- gpu_check.py, the acceptance command for a GPU machine, tried on the CPU (--allow-cpu).
+The same checks on a real GPU: test_gpu.py, and gpu_check.py (docs/gpu.md).
+"""
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import rollout
+import runtime
+from test_rollout import (FAMILIES, PROMPTS, assert_greedy_up_to_ties, cache_for,
+                          eos_for_mixed_lengths, hf_greedy, lively, tiny_model)
+
+STANDIN = Path(__file__).parent / "tests_fixtures" / "flash_attn_standin"
+CUDA = torch.device("cuda", 0)
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    """flash-attn installed: the stand-in, found and imported by rollout's own probe. Yields the
+    imported module; afterwards flash-attn is gone again."""
+    monkeypatch.syspath_prepend(str(STANDIN))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    rollout.flash_attn_status.cache_clear()
+    try:
+        usable, reason = rollout.flash_attn_status()
+        assert usable, reason
+        module = sys.modules["flash_attn"]
+        assert Path(module.__file__).is_relative_to(STANDIN)
+        monkeypatch.setattr(module, "calls", 0)
+        yield module
+    finally:
+        sys.modules.pop("flash_attn", None)
+        rollout.flash_attn_status.cache_clear()
+
+
+@pytest.fixture
+def forced_on(standin, monkeypatch):
+    """The flash branch on this CPU: flash_choice's device, dtype and capability rules waived, its
+    import probe kept."""
+    monkeypatch.setattr(rollout, "flash_choice", lambda device, dtype: rollout.flash_attn_status())
+    return standin
+
+
+def fake_gpu(monkeypatch, major, minor):
+    """torch.cuda answering as one GPU of compute capability major.minor on which bf16 tensors work
+    (natively from 8.0, emulated on 7.0 and 7.5)."""
+    props = types.SimpleNamespace(major=major, minor=minor, name=f"fake sm{major}{minor}")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: props)
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True,
+                        raising=False)
+
+
+# ---------------------------------------------------------------- the flash branch, forced on
+PREFILL_PROMPTS = sorted(PROMPTS + [[9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [60, 61]], key=len,
+                         reverse=True)  # 7 rows: buckets of 2 with padding inside; a repeat
+# bf16: the stand-in attends in fp32 and rounds once, SDPA's CPU kernel rounds otherwise. Seen:
+# logits (|z| <= 1.1) up to 8e-3 apart; keys cached by layer 2 up to 3e-2 (a bf16 step is 1.6e-2
+# at 2-4), those of layer 1 equal
+BF16 = {"logits": dict(atol=1e-2, rtol=1.6e-2), "cache": dict(atol=5e-2, rtol=1.6e-2)}
+FP32 = {"logits": dict(atol=1e-5, rtol=0), "cache": dict(atol=1e-5, rtol=0)}
+# a greedy bf16 token against the bf16 model's own forward pass: seen up to 2.2% of the largest
+# logit below it (flash or SDPA; a tie broken the other way), 107-145% with a top-left causal mask
+TIE = dict(atol=1e-2, rtol=4e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_flash_branch_equals_sdpa_on_the_same_cache(forced_on, monkeypatch, family, dtype):
+    """Prefill 7 prompts of 1-19 tokens, then 6 decode steps that feed both paths the same tokens:
+    at every step the flash branch's logits equal the SDPA path's (fp32 to 1e-5, bf16 within its
+    rounding), and so do the two caches, slot for slot: flash's writes land in cache.k and
+    cache.v, at the slots the SDPA path writes."""
+    monkeypatch.setattr(forced_on, "ALLOW_FP32", dtype == torch.float32)
+    tolerance = FP32 if dtype == torch.float32 else BF16
+    model = tiny_model(family).to(dtype)
+    caches = {flash: cache_for(model, len(PREFILL_PROMPTS), 32, flash) for flash in (True, False)}
+
+    def check(logits):
+        torch.testing.assert_close(logits[True], logits[False], **tolerance["logits"])
+        assert torch.equal(caches[True].seqlens, caches[False].seqlens)
+        for name in ("k", "v"):
+            flash, sdpa = getattr(caches[True], name), getattr(caches[False], name)
+            assert torch.equal(flash[0], sdpa[0])  # layer 1's keys and values: no attention yet
+            torch.testing.assert_close(flash.float(), sdpa.float(), **tolerance["cache"])
+
+    logits = {flash: rollout.prefill(model, PREFILL_PROMPTS, cache)
+              for flash, cache in caches.items()}
+    check(logits)
+    for _ in range(6):
+        tokens = logits[False].argmax(-1)
+        logits = {flash: rollout.decode(model, tokens, cache) for flash, cache in caches.items()}
+        check(logits)
+    assert forced_on.calls > 0
+
+
+def kernel_call(heads=2, heads_k=1, head_dim=64, dtype=torch.bfloat16, slots=8, new=1,
+                seqlens=None, cache=None):
+    """The arguments of one flash_attn_with_kvcache call: 2 rows, `new` new tokens each."""
+    q = torch.zeros(2, new, heads, head_dim, dtype=dtype)
+    k = torch.zeros(2, new, heads_k, head_dim, dtype=dtype)
+    cache = torch.zeros(2, slots, heads_k, head_dim, dtype=dtype) if cache is None else cache
+    seqlens = torch.tensor([3, 5], dtype=torch.int32) if seqlens is None else seqlens
+    return dict(q=q, k_cache=cache, v_cache=torch.zeros_like(cache), k=k, v=k.clone(),
+                cache_seqlens=seqlens, causal=True)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(dtype=torch.float32), "only support fp16 and bf16"),
+    (dict(seqlens=torch.tensor([3, 5])), "int32"),
+    (dict(seqlens=torch.tensor([3, 9, 5, 9], dtype=torch.int32)[::2]), "contiguous"),
+    (dict(seqlens=torch.tensor([3], dtype=torch.int32)), "shape"),
+    (dict(cache=torch.zeros(2, 64, 1, 8, dtype=torch.bfloat16).transpose(1, 3)),
+     "contiguous last dimension"),
+    (dict(head_dim=288), "at most 256"),
+    (dict(heads=3, heads_k=2), "must divide"),
+    (dict(new=4), "past the end"),
+], ids=["fp32", "int64-seqlens", "strided-seqlens", "seqlens-shape", "cache-stride", "head-dim",
+        "heads", "past-the-end"])
+def test_the_standin_refuses_what_the_kernel_refuses(standin, bad, message):
+    """The stand-in's preconditions are live: each call the kernel refuses (flash_api.cpp), or
+    where it would write out of bounds, raises; the same call made right runs."""
+    standin.flash_attn_with_kvcache(**kernel_call())
+    with pytest.raises(RuntimeError, match=message):
+        standin.flash_attn_with_kvcache(**kernel_call(**bad))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_flash_generate_equals_hf_greedy(forced_on, monkeypatch, family, dtype):
+    """generate through the flash branch, greedy, rows of 1-19 prompt tokens (one prompt twice),
+    EOS ending rows at different steps (finished rows leave the batch, the rest move into their
+    cache slots): in fp32 every row equals Hugging Face's greedy generate of its prompt alone; in
+    bf16 every token is the argmax of the model's own forward pass up to a bf16 tie."""
+    monkeypatch.setattr(forced_on, "ALLOW_FP32", dtype == torch.float32)
+    model = lively(tiny_model(family))
+    free = [hf_greedy(model, prompt, 16) for prompt in PREFILL_PROMPTS]
+    eos = eos_for_mixed_lengths(free)
+    if dtype == torch.float32:
+        out = rollout.generate(model, PREFILL_PROMPTS, 16, temperature=0, eos_token_id=eos)
+        expected = [row[: row.index(eos) + 1] if eos in row else row for row in free]
+        assert out.response_ids == expected
+    else:
+        model = model.to(dtype)
+        out = rollout.generate(model, PREFILL_PROMPTS, 16, temperature=0, eos_token_id=eos)
+        assert_greedy_up_to_ties(model, PREFILL_PROMPTS, out, **TIE)
+    assert len({len(row) for row in out.response_ids}) >= 3, "the test needs rows of 3 lengths"
+    assert forced_on.calls > 0
+
+
+# ---------------------------------------------------------------- the rules, on fake GPUs
+@pytest.mark.parametrize("major, minor, native", [(7, 0, False), (7, 5, False), (8, 0, True),
+                                                  (9, 0, True)],
+                         ids=["sm70", "sm75", "sm80", "sm90"])
+def test_auto_dtype_is_bf16_only_where_the_gpu_computes_it(monkeypatch, major, minor, native):
+    """--dtype auto: bf16 on compute capability 8.0 and up; fp32 on a V100 (7.0) or T4 (7.5),
+    whose bf16 torch.cuda.is_bf16_supported() reports as supported (emulated). An explicit
+    --dtype bfloat16 is kept."""
+    fake_gpu(monkeypatch, major, minor)
+    assert torch.cuda.is_bf16_supported()  # torch's default answer counts emulation
+    assert runtime.bf16_is_native(CUDA) is native
+    assert runtime.compute_dtype("auto", CUDA) == (torch.bfloat16 if native else torch.float32)
+    assert runtime.compute_dtype("bfloat16", CUDA) == torch.bfloat16
+
+
+@pytest.mark.parametrize("major, minor, dtype, use, says", [
+    (8, 0, torch.bfloat16, True, "decoding with flash_attn_with_kvcache"),
+    (9, 0, torch.float16, True, "decoding with flash_attn_with_kvcache"),
+    (8, 6, torch.float32, False, "fp16 or bf16, this run in float32"),
+    (7, 5, torch.bfloat16, False, "compute capability 8.0 or higher (Ampere or newer), this GPU "
+                                  "has 7.5"),
+    (7, 0, torch.float16, False, "this GPU has 7.0"),
+], ids=["sm80-bf16", "sm90-fp16", "sm86-fp32", "sm75-bf16", "sm70-fp16"])
+def test_flash_only_where_its_kernel_runs(standin, monkeypatch, major, minor, dtype, use, says):
+    """flash-attn installed and importable (the stand-in): flash_choice uses it on CUDA in
+    fp16/bf16 from compute capability 8.0 on, and says so; elsewhere it says SDPA and why, in the
+    one line train.py and eval.py print."""
+    fake_gpu(monkeypatch, major, minor)
+    choice, reason = rollout.flash_choice(CUDA, dtype)
+    assert choice is use and says in reason and "\n" not in reason
+    assert ("PyTorch SDPA" in reason) is not use
+
+
+def test_flash_nowhere_else(standin, monkeypatch):
+    """Not on a CPU, even with flash-attn importable: generate runs on SDPA there (the stand-in is
+    never called). Not where flash-attn is missing, on any GPU."""
+    choice, reason = rollout.flash_choice(torch.device("cpu"), torch.bfloat16)
+    assert not choice and "CUDA only" in reason
+    rollout.generate(tiny_model("qwen3").bfloat16(), PROMPTS, 4, temperature=0)
+    assert standin.calls == 0
+    fake_gpu(monkeypatch, 9, 0)
+    sys.modules.pop("flash_attn")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(STANDIN)])
+    rollout.flash_attn_status.cache_clear()
+    choice, reason = rollout.flash_choice(CUDA, torch.bfloat16)
+    assert not choice and reason == "flash-attn is not installed: decoding with PyTorch SDPA"
+
+
+def test_start_takes_its_gpu_before_the_process_group(monkeypatch):
+    """torchrun's second node of two, 2 GPUs each, its second process (RANK 3, LOCAL_RANK 1):
+    runtime.start takes GPU 1 (the local rank; the global one is 3), sets it before joining the
+    process group, hands it to NCCL as device_id (else NCCL binds to cuda:0 until first use), and
+    returns the global rank; auto is bf16 on this fake sm80."""
+    calls = []
+    fake_gpu(monkeypatch, 8, 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set", device)))
+    monkeypatch.setattr(dist, "init_process_group",
+                        lambda backend, **kwargs: calls.append(("init", backend,
+                                                                kwargs.get("device_id"))))
+    monkeypatch.setattr(dist, "is_initialized", lambda: any(c[0] == "init" for c in calls))
+    monkeypatch.setattr(dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 4)
+    for name, value in dict(RANK="3", LOCAL_RANK="1", WORLD_SIZE="4").items():
+        monkeypatch.setenv(name, value)
+    rank, world_size, device, dtype = runtime.start("auto")
+    gpu = torch.device("cuda", 1)
+    assert calls == [("set", gpu), ("init", "nccl", gpu)]
+    assert (rank, world_size, device, dtype) == (3, 4, gpu, torch.bfloat16)
+
+
+# ---------------------------------------------------------------- the acceptance script
+def test_gpu_check_runs_on_a_cpu(tmp_path, letter_model, monkeypatch):
+    """gpu_check.py --allow-cpu on the letter-choice model: the machine, sampler and train parts
+    run their real code (the train part launches train.py under torchrun), the CUDA-only checks
+    say why they do not, and the report has every part; a part that fails (a model that does not
+    exist) says FAIL with the reason and sets the exit status."""
+    import gpu_check
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun's worker: a tiny model, one thread
+    tiny = letter_model(tmp_path)
+    base = ["--allow-cpu", "--model", str(tiny["model"]), "--workdir", str(tmp_path / "work")]
+    report = tmp_path / "report.md"
+    assert gpu_check.main([*base, "--task", str(tiny["task"]), "--parts", "sampler", "train",
+                           "--out", str(report)]) == 0
+    text = report.read_text()
+    for line in ("| machine | INFO |", "| sampler | PASS |", "| train | PASS |",
+                 "flash not checked: decoding with PyTorch SDPA: flash-attn runs on CUDA only"):
+        assert line in text, text
+    assert gpu_check.main([*base, "--model", str(tmp_path / "none"), "--task", str(tiny["task"]),
+                           "--parts", "sampler", "--out", str(report)]) == 1
+    text = report.read_text()
+    assert "| sampler | FAIL |" in text and str(tmp_path / "none") in text

@@ -412,18 +412,6 @@ def coordinates(grad, index):
     return (product.sum(-1) if product.dim() > 1 else product).reshape(-1)
 
 
-
-
-def coordinates(grad, index):
-    """A subset's coordinates of one parameter's gradient: the kept entries (index: flat long
-    indices), or (index: the displacement theta - theta_ref) the component along each row's
-    displacement, sum_i g_ri delta_ri (each entry of a vector parameter on its own)."""
-    if index.dtype == torch.long:
-        return grad.reshape(-1)[index]
-    product = grad * index
-    return (product.sum(-1) if product.dim() > 1 else product).reshape(-1)
-
-
 # ---------------------------------------------------------------- sampling, in chunks
 
 def measure_chunk(policy, reference, tokenizer, examples, args, device, params, subsets, seed,

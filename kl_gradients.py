@@ -19,8 +19,8 @@ pi_ref is the base model; pi the same after N steps of no-KL RLOO training on `a
      f    sum_s grad log p(y_s|h_s) (sum_{t>s} KL_t - b_s)              the score-function part
      verl as p2 + f - p3 with K3 clamped as verl's low_var_kl           E = E[K3-in-reward, clamp]
    grad KL = E[p2 + f] (eq. 29, each K1_t replaced by E[K1_t | h_t] = KL_t), E[K3-in-reward] =
-   E[p2 + f - p3] (eq. 45 at every prefix), K1-in-loss's is 0 (eq. 13). No score-function noise in p2, p3,
-   and no pi_ref/pi tail in any (the ratio is summed over the vocabulary, not sampled). b_s, f's
+   E[p2 + f - p3] (eq. 45 at every prefix), K1-in-loss's is 0 (eq. 13). No score-function noise
+   in p2, p3, and no pi_ref/pi tail in any (the ratio is summed over the vocabulary, not sampled). b_s, f's
    baseline, is the mean KL to go at position s of the group's other sequences that reach
    position s (0 if none): a function of the other sequences only, so f stays exactly unbiased
    (test_kl_gradients.py enumerates every group of the toy model). `f_plain` is f without it.

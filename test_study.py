@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import study
+import study_report
 
 ROOT = Path(__file__).parent
 
@@ -55,24 +56,25 @@ DOWN, UP = 0.20, 0.45  # far below the base model (0.40 +- 0.03), and above it
 ])
 def test_verdict_rule(x, y, about_x, about_y):
     seeds = list(range(len(x)))
-    assert study.verdict(ABOUT_X, results(x, y), seeds)[0] == about_x
-    assert study.verdict(ABOUT_Y, results(x, y), seeds)[0] == about_y
+    assert study_report.verdict(ABOUT_X, results(x, y), seeds)[0] == about_x
+    assert study_report.verdict(ABOUT_Y, results(x, y), seeds)[0] == about_y
 
 
 def test_collapse_is_more_than_two_standard_errors_of_the_difference():
     base, margin = result(0.40, 0.03), 2 * (0.03 ** 2 + 0.04 ** 2) ** 0.5  # 0.1
-    assert not study.collapsed(result(0.40 - margin + 1e-9, 0.04), base)
-    assert study.collapsed(result(0.40 - margin - 1e-9, 0.04), base)
-    assert not study.collapsed(result(0.95, 0.04), base)  # above the base: never
+    assert not study_report.collapsed(result(0.40 - margin + 1e-9, 0.04), base)
+    assert study_report.collapsed(result(0.40 - margin - 1e-9, 0.04), base)
+    assert not study_report.collapsed(result(0.95, 0.04), base)  # above the base: never
 
 
 def test_a_verdict_waits_for_every_seed():
     synthetic = results([DOWN, DOWN, DOWN], [UP, UP, UP])
     synthetic["y"][2] = None
-    label, reason = study.verdict(ABOUT_X, synthetic, [0, 1, 2])
+    label, reason = study_report.verdict(ABOUT_X, synthetic, [0, 1, 2])
     assert label == "incomplete" and "y seed 2" in reason
     # two seeds: the majority is 2 of 2
-    assert study.verdict(ABOUT_X, results([DOWN, UP], [UP, UP]), [0, 1])[0] == "not reproduced"
+    two_seeds = results([DOWN, UP], [UP, UP])
+    assert study_report.verdict(ABOUT_X, two_seeds, [0, 1])[0] == "not reproduced"
 
 
 # ---------------------------------------------------------------- the dose-response rules (fig7)
@@ -99,18 +101,18 @@ def paired(x, y, base=0.40, stderr=0.03):
     ([0.20, 0.22, 0.18, 0.25, 0.38], [0.45, 0.10, 0.40, 0.15, 0.40], "inconclusive"),
 ])
 def test_paired_verdict_rule(x, y, label):
-    assert study.verdict(PAIRED, paired(x, y), list(range(5)))[0] == label
+    assert study_report.verdict(PAIRED, paired(x, y), list(range(5)))[0] == label
 
 
 def test_paired_contrast_by_hand():
-    c = study.contrast(paired([0.2, 0.3, 0.4], [0.3, 0.3, 0.6]), "x", "y", [0, 1, 2])
+    c = study_report.contrast(paired([0.2, 0.3, 0.4], [0.3, 0.3, 0.6]), "x", "y", [0, 1, 2])
     # d = 0.1, 0, 0.2: mean 0.1, sd 0.1, se 0.1 / sqrt(3); t(2 df) = 4.303
     assert c["mean"] == pytest.approx(0.1) and c["se"] == pytest.approx(0.1 / 3 ** 0.5)
     assert c["low"] == pytest.approx(0.1 - 4.303 * 0.1 / 3 ** 0.5)
     assert c["fall"] == pytest.approx(0.1)  # base 0.4 minus no KL's mean 0.3
     diverged = paired([0.2, 0.3, 0.4], [0.3, 0.3, 0.6])
     diverged["y"][1] = {"diverged": "non-finite"}
-    assert study.contrast(diverged, "x", "y", [0, 1, 2])["d"][1] == pytest.approx(-0.3)
+    assert study_report.contrast(diverged, "x", "y", [0, 1, 2])["d"][1] == pytest.approx(-0.3)
 
 
 def write_eval(folder, accuracy, stderr=0.02, cpu=None):
@@ -136,7 +138,7 @@ def test_calibration_rule_picks_the_lowest_unstable_rate(tmp_path, falls, lr):
         write_eval(tmp_path / f"base-seed{seed}", 0.40)
         for rate, by_seed in falls.items():
             write_eval(tmp_path / f"nokl-lag10-lr{rate:g}-seed{seed}", 0.40 - by_seed[seed])
-    chosen, reason = study.chosen_lr(tmp_path, setting)
+    chosen, reason = study_report.chosen_lr(study.PLANS["fig7-calibration"], tmp_path, setting)
     assert chosen == lr, reason
     if lr is None:
         assert "--only nokl-lag10-lr2.5e-05" in reason

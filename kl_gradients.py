@@ -26,7 +26,10 @@ pi_ref is the base model; pi the same after N steps of no-KL RLOO training on `a
    (test_kl_gradients.py enumerates every group of the toy model). `f_plain` is f without it.
    Each sampled row is checked against its exact expectation (EXPECTED). Per prefix also:
    chi^2(q || p) = sum_v q_v^2 / p_v - 1, the exact variance of the ratio pi_ref/pi at that token
-   (K3's tail), and verl's clamp deficit sum_v p_v (K3_v - clamped K3_v).
+   (K3's tail), and verl's clamp deficit sum_v p_v (K3_v - clamped K3_v). And K3's value checked
+   without its tail: per sequence, the sampled K3 over the tokens whose ratio pi_ref / pi is at most
+   R (a bounded variable) against its exact expectation sum_t sum_{v: r_v <= R} p_v K3_v, and the
+   expected number of tokens over R, for R in TAIL_RATIOS.
 4. Scale. beta = 1 and num_tokens = G: each group's vector is a per-sequence estimate in nats
    (eq. 6); beta multiplies every row alike (no cosine or relative bias depends on it).
 5. Dimensions. Gradients w.r.t. the last decoder layer, a fixed random subset of --coords
@@ -86,6 +89,9 @@ SUMS = {"k1_both": ("k1_reward", "k1_loss"), "k3_both": ("k3_reward", "k3_loss")
 EXACT = ("p2", "p3", "f", "f_plain", "verl")  # the exact per-prefix rows (docstring, step 3)
 ROWS = list(CONFIGS) + list(EXACT)  # X[:, i] is row ROWS[i]
 EXPECTED, BIASED = S.EXPECTED, S.BIASED  # each sampled row's expectation in the exact rows
+# K3's tail: the sampled K3 without the tokens whose ratio pi_ref / pi exceeds R, against its exact
+# expectation (a bounded variable: its check can pass where the whole K3's cannot)
+TAIL_RATIOS = (10, 100, 1000)
 
 parser = argparse.ArgumentParser(description="The bias and variance of every Table 1 "
                                              "configuration's KL gradient on a real LLM.",
@@ -246,12 +252,30 @@ def exact_coefficients(logp_all, ref_all, mask, group_size, num_tokens=None):
     # chi^2(pi_ref || pi) = sum_v q_v^2 / p_v - 1 = Var_pi[pi_ref / pi] at the token
     chi2 = torch.logsumexp(lq - log_ratio, -1).exp() - 1
     # verl's clamp deficit, sum_v p_v (K3_v - clamped K3_v): exactly 0 where nothing is clamped
-    deficit = (p * (kl.estimate(lp, lq, "k3") - k3_clamped)).sum(-1)
+    k3_all = kl.estimate(lp, lq, "k3")
+    deficit = (p * (k3_all - k3_clamped)).sum(-1)
     prefix = {"kl": kl_t * m, "forward_kl": ((lp - log_ratio).exp() * -log_ratio).sum(-1) * m,
               "chi2": chi2 * m, "clamp_deficit": deficit * m}
+    for R in TAIL_RATIOS:  # K3's tail: the tokens whose ratio pi_ref / pi exceeds R
+        below = (-log_ratio <= math.log(R)).double()
+        prefix[f"k3_below_{R}"] = (p * k3_all * below).sum(-1) * m  # E[K3 1{r <= R} | h_t]
+        prefix[f"tail_prob_{R}"] = (p * (1 - below)).sum(-1) * m  # P(r > R | h_t)
     dtype = logp_all.dtype
     return ({name: tuple(None if c is None else c.to(dtype) for c in pair)
              for name, pair in rows.items()}, prefix)
+
+
+def k3_tail(logp, ref_logp, mask, prefix):
+    """Per sequence (B,), for each R of TAIL_RATIOS: the sampled K3 summed over the tokens whose
+    ratio pi_ref / pi is at most R (`k3_below_R`), its exact expectation (`k3_below_R_exact`) and
+    the expected number of tokens over R (`tail_prob_R`), from exact_coefficients' prefix sums."""
+    out, k3 = {}, kl.estimate(logp, ref_logp, "k3")  # eq. 14 at the sampled tokens
+    for R in TAIL_RATIOS:
+        below = (ref_logp - logp <= math.log(R)) * mask
+        out[f"k3_below_{R}"] = (below * k3).sum(1)
+        out[f"k3_below_{R}_exact"] = prefix[f"k3_below_{R}"].sum(1)
+        out[f"tail_prob_{R}"] = prefix[f"tail_prob_{R}"].sum(1)
+    return out
 
 
 def row_outputs(logp, logp_all, ref_logp, ref_all, mask, scores, group_size):
@@ -424,6 +448,8 @@ def measure_chunk(policy, reference, tokenizer, examples, args, device, params, 
     G, X, done = args.group_size, [], 0
     seqs = {key: [] for key in ("length", "score", "k1", "k3", "kl", "forward_kl", "chi2",
                                 "chi2_max", "clamp_deficit")}
+    for R in TAIL_RATIOS:
+        seqs.update({f"k3_below_{R}": [], f"k3_below_{R}_exact": [], f"tail_prob_{R}": []})
     prefixes = {"chi2": [], "clamp_deficit": []}
 
     def record(logp, ref_logp, mask, scores, prefix):
@@ -434,6 +460,8 @@ def measure_chunk(policy, reference, tokenizer, examples, args, device, params, 
                 seqs[kind] += (mask * kl.estimate(logp, ref_logp, kind)).sum(1).tolist()
             for name in ("kl", "forward_kl", "chi2", "clamp_deficit"):
                 seqs[name] += prefix[name].sum(1).tolist()
+            for name, values in k3_tail(logp, ref_logp, mask, prefix).items():
+                seqs[name] += values.tolist()
             seqs["chi2_max"] += prefix["chi2"].max(1).values.tolist()
             for name in prefixes:
                 prefixes[name] += prefix[name][mask > 0].tolist()
@@ -640,6 +668,11 @@ def main(argv=None):
               f"(K1), {dist['k3'][0]:.3f} (K3) nats; ||grad KL||^2 interval "
               f"[{layer['grad_kl']['norm2'][1]:.3g}, {layer['grad_kl']['norm2'][2]:.3g}]; "
               f"f's share {S.fmt(layer['f_share'])}")
+        tails = [f"ratio <= {R}: {S.fmt(dist[f'check_k3_below_{R}'])}" for R in TAIL_RATIOS
+                 if f"check_k3_below_{R}" in dist]
+        print(f"{label}: sampled K3 - exact KL {S.fmt(dist['check_k3'])} nats a sequence"
+              + (f"; over the tokens of {', '.join(tails)} ({dist['tail_groups']} groups)"
+                 if tails else ""))
         for name in BIASED:
             row = layer["rows"][name]
             print(f"{label:>9} {name:<15} cos {S.fmt(row['cos'])}  rel. bias "

@@ -296,6 +296,14 @@ def per_sequence(seqs, prefixes, G):
     the per-prefix chi^2 and clamp deficits (issue 27, item 5)."""
     out = {key: mean_interval(v.reshape(-1, G).mean(1)) for key, v in seqs.items()
            if key != "chi2_max"}
+    # K3's value against its exact expectation: whole (the tail included), and without the tokens
+    # of ratio > R (saved by later chunks only: `tail_groups` says how many groups have them)
+    out["check_k3"] = mean_interval((seqs["k3"] - seqs["kl"]).reshape(-1, G).mean(1))
+    for key in [k for k in seqs if k.startswith("tail_prob_")]:
+        R = key.removeprefix("tail_prob_")
+        gap = seqs[f"k3_below_{R}"] - seqs[f"k3_below_{R}_exact"]
+        out[f"check_k3_below_{R}"] = mean_interval(gap.reshape(-1, G).mean(1))
+        out["tail_groups"] = len(gap) // G
     chi2, deficit = prefixes["chi2"], prefixes["clamp_deficit"]
     quantiles = (0.5, 0.9, 0.99, 0.999, 1.0)
     out["prefix_chi2"] = {f"q{q}": float(np.quantile(chi2, q)) for q in quantiles}

@@ -218,6 +218,16 @@ def test_exact_rows_on_a_tiny_llama_by_enumeration(tiny_llama, one_thread):
     assert close(got["p3"], got["k3_loss"]) and close(got["p2"], got["k2_loss"])
     assert close(got["verl"], got["k3_reward_verl"])
     assert (got["verl"] - got["p2"] - got["f"] + got["p3"]).abs().max() > 0.01 * scale
+    # K3's tail: E[sampled K3 over tokens of ratio <= R] = its exact per-prefix sum, for each R,
+    # and with every token (R -> inf) the exact KL; the tail is there (some ratio > 10)
+    tail = {name: (prob * v).sum() for name, v in
+            K.k3_tail(logp.detach(), ref_logp, mask, prefix).items()}
+    k3_mean = (prob * (mask * kl.estimate(logp.detach(), ref_logp, "k3")).sum(1)).sum()
+    assert abs(k3_mean - (prob * prefix["kl"].sum(1)).sum()) < 1e-5
+    assert tail["tail_prob_10"] > 1e-4
+    for R in K.TAIL_RATIOS:
+        assert abs(tail[f"k3_below_{R}"] - tail[f"k3_below_{R}_exact"]) < 1e-5
+        assert tail[f"k3_below_{R}_exact"] <= k3_mean + 1e-6
 
 
 # ---- sampled and exact rows together: the toy model, Monte Carlo, through the statistics --------
@@ -372,6 +382,7 @@ def test_tiny_model_end_to_end(tmp_path, tiny_llama, smollm2_tokenizer, one_thre
     assert set(dist["views"]) == {"-1.self_attn", "-1.mlp", "layer"}
     assert dist["pi_hash"] == first["distances"][0]["pi_hash"] and dist["prefixes"] > 0
     assert abs(dist["k1"][0] - dist["kl"][0]) < 1.0  # K1 and the exact KL: one mean
+    assert dist["tail_groups"] == 9 and len(dist["check_k3_below_10"]) == 3
     again = K.main(flags + ["--groups", "9", "--figure", "", "--analyze"])
     same = lambda r: json.dumps(r["distances"][0]["views"])  # noqa: E731 (nan == nan)
     assert same(again) == same(results)

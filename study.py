@@ -294,15 +294,13 @@ def cores():
 
 
 def resolved_dtype(flag):
-    """The compute dtype `--dtype flag` resolves to here (runtime.start's rule)."""
-    if flag != "auto":
-        return flag
+    """The compute dtype `--dtype flag` resolves to here (runtime.compute_dtype, start's rule)."""
     import torch
 
     import runtime
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return "bfloat16" if runtime.bf16_is_native(device) else "float32"
+    return str(runtime.compute_dtype(flag, device)).removeprefix("torch.")
 
 
 def machine(stage, train_dtype, eval_dtype, threads):

@@ -28,8 +28,9 @@ pi_ref is the base model; pi the same after N steps of no-KL RLOO training on `a
    chi^2(q || p) = sum_v q_v^2 / p_v - 1, the exact variance of the ratio pi_ref/pi at that token
    (K3's tail), and verl's clamp deficit sum_v p_v (K3_v - clamped K3_v). And K3's value checked
    without its tail: per sequence, the sampled K3 over the tokens whose ratio pi_ref / pi is at most
-   R (a bounded variable) against its exact expectation sum_t sum_{v: r_v <= R} p_v K3_v, and the
-   expected number of tokens over R, for R in TAIL_RATIOS.
+   R (at most max(R - 1 - log R, log pi/pi_ref) a token: no tail of large ratios) against its exact
+   expectation sum_t sum_{v: r_v <= R} p_v K3_v, and the expected number of tokens over R, for R in
+   TAIL_RATIOS.
 4. Scale. beta = 1 and num_tokens = G: each group's vector is a per-sequence estimate in nats
    (eq. 6); beta multiplies every row alike (no cosine or relative bias depends on it).
 5. Dimensions. Gradients w.r.t. the last decoder layer, a fixed random subset of --coords
@@ -90,7 +91,7 @@ EXACT = ("p2", "p3", "f", "f_plain", "verl")  # the exact per-prefix rows (docst
 ROWS = list(CONFIGS) + list(EXACT)  # X[:, i] is row ROWS[i]
 EXPECTED, BIASED = S.EXPECTED, S.BIASED  # each sampled row's expectation in the exact rows
 # K3's tail: the sampled K3 without the tokens whose ratio pi_ref / pi exceeds R, against its exact
-# expectation (a bounded variable: its check can pass where the whole K3's cannot)
+# expectation (no tail of large ratios: its check can pass where the whole K3's cannot)
 TAIL_RATIOS = (10, 100, 1000)
 
 parser = argparse.ArgumentParser(description="The bias and variance of every Table 1 "
@@ -605,18 +606,21 @@ def load_distance(label, args):
     wanted = [c for c in sorted(records) if c < math.ceil(args.groups / args.chunk_groups)]
     if not wanted:
         raise SystemExit(f"no chunks saved in {directory}")
-    X, seqs, prefixes = None, {}, {}
+    X, seqs, prefixes = None, [], {}
     for i, chunk in enumerate(wanted):  # filled in place: one copy of the gradients in memory
         part = torch.load(directory / f"chunk_{chunk:05d}.pt", weights_only=False)
         units = len(part["X"])
         if X is None:
             X = torch.empty(len(wanted) * units, *part["X"].shape[1:])
         X[i * units:(i + 1) * units] = part["X"]
-        for kind, pooled in (("seqs", seqs), ("prefixes", prefixes)):
-            for key, values in part[kind].items():
-                pooled.setdefault(key, []).append(values)
+        seqs.append(part["seqs"])
+        for key, values in part["prefixes"].items():
+            prefixes.setdefault(key, []).append(values)
         del part
-    seqs, prefixes = ({key: np.concatenate(v) for key, v in d.items()} for d in (seqs, prefixes))
+    # a per-sequence record that older chunks lack (K3's tail) is NaN there: rows stay aligned
+    seqs = {key: np.concatenate([c.get(key, np.full(len(c["kl"]), np.nan)) for c in seqs])
+            for key in dict.fromkeys(k for c in seqs for k in c)}
+    prefixes = {key: np.concatenate(v) for key, v in prefixes.items()}
     seconds = sum(records[c]["seconds"] for c in wanted)
     return ({name: X[:, i] for i, name in enumerate(ROWS)}, seqs, prefixes, records[wanted[0]],
             seconds, len(wanted))
@@ -670,9 +674,10 @@ def main(argv=None):
               f"f's share {S.fmt(layer['f_share'])}")
         tails = [f"ratio <= {R}: {S.fmt(dist[f'check_k3_below_{R}'])}" for R in TAIL_RATIOS
                  if f"check_k3_below_{R}" in dist]
-        print(f"{label}: sampled K3 - exact KL {S.fmt(dist['check_k3'])} nats a sequence"
-              + (f"; over the tokens of {', '.join(tails)} ({dist['tail_groups']} groups)"
-                 if tails else ""))
+        print(f"{label}: sampled K3 - exact KL {S.fmt(dist['check_k3'])} nats a sequence" + (
+            f"; on the {dist['tail_groups']} groups with K3's tail recorded "
+            f"{S.fmt(dist['check_k3_tail_groups'])}, over the tokens of {', '.join(tails)}"
+            if tails else ""))
         for name in BIASED:
             row = layer["rows"][name]
             print(f"{label:>9} {name:<15} cos {S.fmt(row['cos'])}  rel. bias "

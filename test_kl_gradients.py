@@ -388,6 +388,16 @@ def test_tiny_model_end_to_end(tmp_path, tiny_llama, smollm2_tokenizer, one_thre
     assert same(again) == same(results)
     assert (tmp_path / "out" / "results.csv").read_text().count("\n") == 1 + 3 * 10
     assert (tmp_path / "fig.png").stat().st_size > 0
+    # a chunk saved before K3's tail was recorded: the tail checks use the other groups only
+    old = torch.load(chunks / "chunk_00000.pt", weights_only=False)
+    old["seqs"] = {k: v for k, v in old["seqs"].items() if "below" not in k and "tail" not in k}
+    torch.save(old, chunks / "chunk_00000.pt")
+    mixed = K.main(flags + ["--groups", "9", "--figure", "", "--analyze"])["distances"][0]
+    assert mixed["tail_groups"] == 6 and mixed["check_k3"] == dist["check_k3"]
+    assert mixed["k3_below_10"] != dist["k3_below_10"]
+    assert json.dumps(mixed["views"]) == same(results)
+    check = [mixed[f"check_k3_{side}_10"][0] for side in ("below", "above")]
+    assert abs(sum(check) - mixed["check_k3_tail_groups"][0]) < 1e-9
     record = json.loads((chunks / "chunk_00002.json").read_text())
     record["key"]["pi"] = "another pi"
     (chunks / "chunk_00002.json").write_text(json.dumps(record))

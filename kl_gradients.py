@@ -20,10 +20,11 @@ pi_ref is the base model; pi the same after N steps of no-KL RLOO training on `a
      verl as p2 + f - p3 with K3 clamped as verl's low_var_kl           E = E[K3-in-reward, clamp]
    grad KL = E[p2 + f] (eq. 29, each K1_t replaced by E[K1_t | h_t] = KL_t), E[K3-in-reward] =
    E[p2 + f - p3] (eq. 45 at every prefix), K1-in-loss's is 0 (eq. 13). No score-function noise
-   in p2, p3, and no pi_ref/pi tail in any (the ratio is summed over the vocabulary, not sampled). b_s, f's
-   baseline, is the mean KL to go at position s of the group's other sequences that reach
-   position s (0 if none): a function of the other sequences only, so f stays exactly unbiased
-   (test_kl_gradients.py enumerates every group of the toy model). `f_plain` is f without it.
+   in p2, p3, and no pi_ref/pi tail in any (the ratio is summed over the vocabulary, not
+   sampled). b_s, f's baseline, is the mean KL to go at position s of the group's other sequences
+   that reach position s (0 if none): a function of the other sequences only, so f stays exactly
+   unbiased (test_kl_gradients.py enumerates every group of the toy model). `f_plain` is f
+   without it.
    Each sampled row is checked against its exact expectation (EXPECTED). Per prefix also:
    chi^2(q || p) = sum_v q_v^2 / p_v - 1, the exact variance of the ratio pi_ref/pi at that token
    (K3's tail), and verl's clamp deficit sum_v p_v (K3_v - clamped K3_v). And K3's value checked

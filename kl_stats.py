@@ -364,14 +364,14 @@ def plot(results, path):
             v = np.array([d["views"]["layer"]["rows"][name][key] for d in dists], dtype=float)
             v = np.where(np.isfinite(v), v, np.nan)
             ax.errorbar(x + shift, v[:, 0], yerr=[v[:, 0] - v[:, 1], v[:, 2] - v[:, 0]], **style)
-    for ax in axes:  # one tick a distance: its label and its KL
-        ax.set_xticks(x, [f"{d['label']}\n{k:.2f}" for d, k in zip(dists, x)])
     xlabel = "KL(pi || pi_ref), nats per sequence (exact)"
     axes[0].set(xlabel=xlabel, title="cos(E[g], grad KL)", ylim=(-1.05, 1.05))
     axes[1].set(xlabel=xlabel, title="||E[g] - grad KL|| / ||grad KL||")
     axes[2].set(xlabel=xlabel, yscale="log", title="n* = tr Var / ||bias||^2 (sequences)")
     axes[3].set(xlabel=xlabel, yscale="log", title="variance / task policy gradient's")
     axes[3].legend(fontsize=7, ncol=2)
+    for ax in axes:  # one tick a distance, its label and its KL (after the scales are set)
+        ax.set_xticks(x, [f"{d['label']}\n{k:.2f}" for d, k in zip(dists, x)])
     fig.suptitle(f"Table 1 on {results['model']}, last layer (attention and MLP reweighted), "
                  f"{', '.join(str(d['groups']) for d in dists)} groups of "
                  f"{results['group_size']}, beta = 1, 95% intervals (unbounded ones not drawn)",

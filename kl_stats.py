@@ -300,14 +300,16 @@ def per_sequence(seqs, prefixes, G):
     # into the tokens at most R and those above, on the same groups (the later chunks' records)
     whole = groups["k3"] - groups["kl"]
     out["check_k3"] = mean_interval(whole)
-    for R in [k.removeprefix("tail_prob_") for k in seqs if k.startswith("tail_prob_")]:
-        kept = ~np.isnan(groups[f"tail_prob_{R}"])
+    ratios = [k.removeprefix("tail_prob_") for k in seqs if k.startswith("tail_prob_")]
+    if ratios:  # every R is recorded by the same chunks: one set of groups
+        kept = ~np.isnan(groups[f"tail_prob_{ratios[0]}"])
+        out["check_k3_tail_groups"] = mean_interval(whole[kept])
+        out["tail_groups"] = int(kept.sum())
+    for R in ratios:
         below = (groups[f"k3_below_{R}"] - groups[f"k3_below_{R}_exact"])[kept]
         out[f"check_k3_below_{R}"] = mean_interval(below)
         out[f"check_k3_above_{R}"] = mean_interval(whole[kept] - below)
         out[f"tail_part_{R}"] = mean_interval((groups["kl"] - groups[f"k3_below_{R}_exact"])[kept])
-        out["check_k3_tail_groups"] = mean_interval(whole[kept])
-        out["tail_groups"] = int(kept.sum())
     chi2, deficit = prefixes["chi2"], prefixes["clamp_deficit"]
     quantiles = (0.5, 0.9, 0.99, 0.999, 1.0)
     out["prefix_chi2"] = {f"q{q}": float(np.quantile(chi2, q)) for q in quantiles}

@@ -53,9 +53,9 @@ pi_ref is the base model; pi the same after N steps of no-KL RLOO training on `a
    give every group's gradient exactly (batch_gradients, tested against group_gradients). Each
    batch's mean is then one unit (var = G B tr Cov of a unit).
 
-    python kl_gradients.py              # trains pi if absent, then steps 20 and 5, 1,536 groups
-    python kl_gradients.py --analyze    # the statistics of the saved chunks only
-    python kl_gradients.py --device cuda --groups 8192 --batch-groups 32 \\
+    python -m lab.kl_gradients              # trains pi if absent, then steps 20 and 5, 1,536 groups
+    python -m lab.kl_gradients --analyze    # the statistics of the saved chunks only
+    python -m lab.kl_gradients --device cuda --groups 8192 --batch-groups 32 \\
         --chunks runs/kl-gradients/chunks-gpu --out studies/kl-gradients-gpu
 """
 import argparse
@@ -74,9 +74,9 @@ import torch
 import advantage
 import data
 import kl
-import kl_stats as S
+from lab import kl_stats as S
 import rollout
-import study
+from lab import study
 import train
 from model import load_model, load_tokenizer, stop_token_ids
 

@@ -313,7 +313,7 @@ def test_a_flash_attn_that_does_not_import_is_reported_once(tmp_path, monkeypatc
         rollout.flash_attn_status.cache_clear()
 
 
-DATA = Path(__file__).parent.parent / "shared" / "data"
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 @pytest.fixture(scope="module")

@@ -158,7 +158,7 @@ def chosen_lr(plan, studies, setting):
                    for seed, result in by_seed.items() if result is None]
         if missing:
             return None, "waiting for " + ", ".join(missing) + " of fig7-calibration" + (
-                f" (python study.py fig7-calibration --only {name})"
+                f" (python -m lab.study fig7-calibration --only {name})"
                 if plan["runs"][name].get("on_demand") else "")
         is_unstable, reason = unstable(results, base, plan["seeds"])
         reasons.append(f"lr {lr:g}: {reason}")
@@ -217,7 +217,7 @@ def aggregate(plan, args, seeds):
                          for seed in plan["seeds"]} for name in plan["runs"]}
     verdicts = [(finding, *verdict(finding, registered, plan["seeds"]))
                 for finding in plan["findings"]]
-    lines = [f"# {plan['title']}", "", f"Seeds {','.join(map(str, seeds))}; `python study.py "
+    lines = [f"# {plan['title']}", "", f"Seeds {','.join(map(str, seeds))}; `python -m lab.study "
              f"{args.plan}" + (f" --scale {args.scale}" if args.scale != "cpu" else "") + "`.",
              "", table, "", f"Verdicts (studies/PREREGISTRATION.md; seeds "
              f"{','.join(map(str, plan['seeds']))}):", ""]

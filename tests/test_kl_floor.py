@@ -4,7 +4,7 @@ import copy
 
 import torch
 
-from kl_floor import bf16_grid, floor_row, fp32_head
+from lab.kl_floor import bf16_grid, floor_row, fp32_head
 
 
 def tiny_pair(tiny_llama, eps=1e-6):

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-import study
-import study_report
+from lab import study
+from lab import study_report
 
-ROOT = Path(__file__).parent
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 
 
 # ---------------------------------------------------------------- the verdict rule
@@ -231,14 +231,13 @@ def test_a_reused_run_is_copied_not_trained(tmp_path, monkeypatch, capsys):
     assert [v["verdict"] for v in verdicts] == ["incomplete", "incomplete"]
 
 
-@pytest.mark.parametrize("scale", ["cpu", "paper"])
-@pytest.mark.parametrize("plan", ["fig3", "fig2c", "fig7", "fig7-calibration"])
+@pytest.mark.parametrize("plan, scale", [(plan, scale)
+                                         for plan in ("fig3", "fig2c", "fig7", "fig7-calibration")
+                                         for scale in study.PLANS[plan]["scales"]])
 def test_printed_commands_parse(plan, scale, capsys, monkeypatch):
     import eval as evaluation
     import train
 
-    if scale not in study.PLANS[plan]["scales"]:
-        pytest.skip(f"{plan} has no {scale} scale")
     monkeypatch.setenv("RANK", "0")  # as under torchrun, which --fsdp needs
     study.main([plan, "--print", "--scale", scale])
     lines = [line.split() for line in capsys.readouterr().out.splitlines()
@@ -293,7 +292,7 @@ def runner(plan, tmp_path, wait=True, extra=()):
     argv = [sys.executable, "-m", "test_study", "tiny", "--lanes", "2", "--runs-dir",
             str(tmp_path / "runs"), "--studies-dir", str(tmp_path / "studies"), *extra]
     env = {**os.environ, "STUDY_TEST_PLAN": json.dumps(plan), "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"),
                                           *filter(None, [os.environ.get("PYTHONPATH")])])}
     if wait:
         return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -13,9 +13,10 @@ import sys
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--task",
-                    default=str(Path(__file__).parent.parent / "shared" / "data" / "math500.jsonl"),
+                    default=str(ROOT.parent / "shared" / "data" / "math500.jsonl"),
                     help="where the prompts come from: a data.py task or .jsonl "
                          "(math500 when online)")
 parser.add_argument("--prompts", type=int, default=8, help="distinct problems per batch")
@@ -253,10 +254,10 @@ if "memory" not in args.skip:
     print(f"\npeak memory while generating, batch {len(batch)}, EOS off (fresh process each, MiB)")
     for name in args.dtypes:
         for max_new_tokens in (args.short, args.long):
-            probe = [sys.executable, __file__, "--memory-probe", name, str(max_new_tokens),
+            probe = [sys.executable, "-m", "lab.bench_rollout", "--memory-probe", name, str(max_new_tokens),
                      "--prompts", str(args.prompts), "--samples", str(args.samples),
                      "--threads", str(args.threads), "--device", args.device]
-            result = json.loads(subprocess.run(probe, capture_output=True, text=True,
+            result = json.loads(subprocess.run(probe, capture_output=True, text=True, cwd=ROOT,
                                                check=True).stdout.strip().splitlines()[-1])
             print(f"  {name} {max_new_tokens:5d} new tokens: weights {result['weights']:.0f}, "
                   f"RSS before {result['before']:.0f}; generate adds {result['extra']:.0f} "

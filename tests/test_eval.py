@@ -15,7 +15,7 @@ import torch
 
 import eval as evaluation
 
-REPO = Path(__file__).parent
+REPO = Path(__file__).resolve().parents[1]  # the repository
 
 
 def test_mean_at_k_and_stderr_by_hand():

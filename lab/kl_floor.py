@@ -9,8 +9,8 @@ then computes the log-prob of every sampled token under both models through the 
 exactly on a bf16 number and exactly halfway between two (ties: any update, however small, decides
 which way such a weight rounds).
 
-    python kl_floor.py  # the embedded SmolLM2-135M-Instruct, a few seconds
-    python kl_floor.py --perturb sign-grad --eps 1e-7
+    python -m lab.kl_floor  # the embedded SmolLM2-135M-Instruct, a few seconds
+    python -m lab.kl_floor --perturb sign-grad --eps 1e-7
 """
 import argparse
 import contextlib

@@ -1,9 +1,9 @@
 """Studies: a figure of the paper run over seeds with one command, aggregated, with verdicts.
 
-    python study.py fig3 --seeds 0,1,2 --lanes 2     # train, evaluate, aggregate, judge
-    python study.py fig3                             # a fresh clone: the committed outputs only
-    python study.py fig3 --print                     # the shell commands instead
-    python study.py fig3 --scale paper --print       # the paper's flags (docs/gpu.md), 8 GPUs
+    python -m lab.study fig3 --seeds 0,1,2 --lanes 2     # train, evaluate, aggregate, judge
+    python -m lab.study fig3                             # a fresh clone: the committed outputs only
+    python -m lab.study fig3 --print                     # the shell commands instead
+    python -m lab.study fig3 --scale paper --print       # the paper's flags (docs/gpu.md), 8 GPUs
 
 A plan (PLANS) is data: its configurations (a name, a label, train.py flags; `base` evaluates the
 base model and trains nothing), the flags each scale adds (`cpu`: SmolLM2-135M on arith, the CPU
@@ -45,9 +45,9 @@ import sys
 import threading
 from pathlib import Path
 
-from study_report import aggregate, chosen_lr, cpu_sessions, read_result, read_rows
+from lab.study_report import aggregate, chosen_lr, cpu_sessions, read_result, read_rows
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 
 # ---------------------------------------------------------------- the scales and the plans (data)
 CPU = {  # the CPU study's defaults (studies/cpu-small), written out so a default change shows

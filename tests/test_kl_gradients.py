@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import kl
-import kl_gradients as K
-import kl_stats as S
+from lab import kl_gradients as K
+from lab import kl_stats as S
 import toy
 
 f64 = torch.float64

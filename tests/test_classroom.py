@@ -27,7 +27,7 @@ from classroom.bugs import BUGS
 from classroom.grade import checks_of, run_order
 from classroom.manifest import BY_ID, EXERCISES
 
-ROOT = pathlib.Path(__file__).parent
+ROOT = pathlib.Path(__file__).resolve().parents[1]  # the repository
 SOLUTION_FILES = sorted({file for e in EXERCISES for file, _ in e.functions})
 STUDY = ROOT / "studies" / "cpu-small"
 SECRET = 11  # the hidden seed of these tests

@@ -19,7 +19,7 @@ def fast_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("toy")
     cmd = [sys.executable, "toy.py", "--out", str(out), "--fast", "--trials", str(TRIALS),
            "--samples", "200"]
-    subprocess.run(cmd, cwd=Path(__file__).parent, check=True, capture_output=True, text=True)
+    subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], check=True, capture_output=True, text=True)
     return out
 
 

@@ -9,8 +9,8 @@ import pytest
 import data
 import hub
 
-DATA = Path(__file__).parent.parent / "shared" / "data"
-FIXTURES = Path(__file__).parent / "tests_fixtures"
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+FIXTURES = Path(__file__).parent / "fixtures"
 
 # A few rows in each hub dataset's own format (columns as `datasets.load_dataset` returns them).
 HUB_ROWS = {

@@ -24,7 +24,7 @@ import runtime
 from test_rollout import (PROMPTS, assert_greedy_up_to_ties, cache_for, eos_for_mixed_lengths,
                           lively, tiny_model)
 
-ROOT = Path(__file__).parent
+ROOT = Path(__file__).resolve().parents[1]  # the repository
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(),
                                  reason="needs a CUDA GPU (pytest -m gpu)")]

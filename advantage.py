@@ -39,7 +39,9 @@ def group_normalized(returns, group_size, eps=1e-6):
 
 
 def policy_loss(logp, old_logp, advantages, mask, num_tokens, clip_eps=0.2):
-    """PPO-clip surrogate summed over tokens / num_tokens -> (loss, clip_frac).
+    """PPO-clip surrogate summed over tokens / num_tokens -> (loss, clip_frac). The ratio and clip
+    are eq. 4's; the normalization by the batch's response tokens is sec. 4.1's (eq. 4 itself
+    averages each sequence over its own length).
 
     logp, old_logp, mask: (B, T) per token; advantages: (B,) one per sequence (eq. 7, A_t = A for
     all t) or (B, T) one per token (a per-token KL reward, kl.kl_to_go). On-policy (old_logp =
@@ -66,7 +68,8 @@ def truncated_is_loss(logp, behaviour_logp, advantages, mask, num_tokens, cap=8.
     pi(y_t | y<t) where w_t <= cap, else 0; truncated_frac = sum(mask * (w_t > cap)) /
     num_tokens."""
     log_ratio = logp - behaviour_logp.detach()
-    adv = advantages.detach().unsqueeze(-1)
+    # (B,) per sequence -> (B, 1), broadcast over tokens; (B, T) per token (kl.kl_to_go) as it is
+    adv = advantages.detach().reshape(len(advantages), -1)
     # -min(w_t, C) A_t: the truncated importance weight, as exp(min(log w_t, log C)): the same value
     # and gradient, and no exp(log w_t) to overflow
     loss = (mask * -torch.exp(log_ratio.clamp(max=math.log(cap))) * adv).sum() / num_tokens

@@ -36,9 +36,9 @@ Off-policy (samples of mu != pi, the ratio pi/mu per token) every line above is 
 E_mu[w K1 grad log pi(y)] = grad KL, is not (test_kl.py: test_off_policy_table1).
 
 T is the response length, EOS included. The "-1" of K3 sums to -T, so with lengths that vary (a
-response ends at EOS) K3-in-reward also carries -grad E[T], which eq. 19 leaves out (it is 0 at a
-fixed T); either way it is grad KL minus the K3-in-loss gradient (eq. 45). test_kl.py checks both
-fixed and EOS-ended lengths.
+response ends at EOS) K3-in-reward also carries -grad E[T], which eqs. 15 and 43 leave out (it is
+0 at a fixed T); either way it is grad KL minus the K3-in-loss gradient (eq. 45). test_kl.py checks
+both fixed and EOS-ended lengths.
 
 Shapes: logp, ref_logp, mask are (B, T) per response token. `mask` is multiplied in everywhere, so a
 float mask weights tokens (0 on padding). `num_tokens` is the normalizer, the total number of
@@ -50,7 +50,7 @@ import torch
 
 KINDS = ("k1", "k2", "k3")
 PLACES = ("reward", "loss", "both", "none", "weighted")
-CLAMPS = ("none", "verl")  # verl's low_var_kl bounds on K3, as the paper's on-policy runs had them
+CLAMPS = ("none", "verl")  # verl's low_var_kl bounds on K3 (the paper ran verl: our inference)
 # off_policy_kl_loss caps w at e^30 (1e13): one sequence's update past it overflows fp32
 MAX_LOG_W = 30.0
 
@@ -146,7 +146,9 @@ def log_importance_weights(logp, behaviour_logp, mask):
 
 def kl_to_go(logp, ref_logp, mask, kind, clamp="none"):
     """Per-token KL to go, sum_{s>=t} mask_s KL_s, shape (B, T), detached: the KL part of token t's
-    return when the KL is a per-token reward (R - beta * kl_to_go gives per-token advantages)."""
+    return when the KL is a per-token reward (R - beta * kl_to_go gives per-token advantages).
+    No flag of train.py uses it (the paper's runs put the sequence's KL in the reward);
+    toy.kl_gradient_moments measures its variance, test_kl.py its mean, classroom E5 grades it."""
     kl = mask * estimate(logp.detach(), ref_logp.detach(), kind, clamp)
     # sum over s >= t: a cumulative sum from the end
     return kl.flip(-1).cumsum(-1).flip(-1)

@@ -535,6 +535,10 @@ def test_truncated_is_loss_by_hand():
     assert close(grad, mask * -w * advantages[:, None] * (w <= 8.0) / 7)
     assert close(truncated, torch.tensor(3 / 7.0, dtype=f64))  # w = e^3 > 8 in each row
 
+    # per-token advantages (B, T), as a KL to go gives them: each token weighted by its own A_t
+    per_token = torch.rand(3, 5, dtype=f64, generator=g) - 0.5
+    loss, _ = truncated_is_loss(logp, behaviour, per_token, mask, num_tokens=7.0, cap=8.0)
+    assert close(loss, (mask * -w.clamp(max=8.0) * per_token).sum() / 7)
 
 # ---- the KL as a per-token reward, summed to go (OpenRLHF), and toy.py's enumerators -------------
 

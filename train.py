@@ -36,8 +36,8 @@ import contextlib
 import json
 import math
 import os
-import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -71,14 +71,16 @@ group.add_argument("--place", required=True, choices=kl.PLACES,
                         "none; weighted = w sg[K1] in the loss, w = prod_t pi/mu: unbiased "
                         "off-policy")
 group.add_argument("--beta", type=float, default=0.05,
-                   help="KL coefficient (paper: 0.05, 0.1, 0.3, 1)")
+                   help="KL coefficient (paper: 0.05, 0.1, 0.3, 1; 0.005 in the asynchronous runs "
+                        "of sec. 4.2)")
 group.add_argument("--kl-clamp", default="none", choices=kl.CLAMPS,
                    help="none = the exact estimator; verl = verl's low_var_kl bounds on K3 "
-                        "(log r in [-20, 20], K3 in [-10, 10]), as the paper's on-policy K3 runs "
-                        "had them")
+                        "(log r in [-20, 20], K3 in [-10, 10]); the paper ran verl, so its K3 runs "
+                        "likely had them (our inference: the paper does not say)")
 group = parser.add_argument_group("RLOO and PPO (sec. 2, 4.1)")
 group.add_argument("--group-size", type=int, default=4,
-                   help="completions per prompt, the RLOO group (paper: 5)")
+                   help="completions per prompt, the RLOO group (paper: 5; sec. 4.1's '5 rollouts "
+                        "per prompt (i.e. group size G = 4)', app. B's K = 5)")
 group.add_argument("--prompts-per-step", type=int, default=8,
                    help="prompts per step over all ranks (paper: 256)")
 group.add_argument("--minibatches", type=int, default=1,
@@ -186,6 +188,9 @@ def check_flags(args, world_size):
         (0 <= args.seed < 2**12, f"--seed must be 0-4095 (eval.py's seeds), got {args.seed}"),
         (args.async_lag >= 0 and args.is_cap > 0, "--async-lag must be >= 0, --is-cap > 0"),
         (args.place != "weighted" or args.kl == "k1", "--place weighted weights K1: use --kl k1"),
+        (args.kl_clamp == "none" or (args.kl == "k3" and args.place in ("reward", "loss", "both")),
+         "--kl-clamp verl bounds K3 in the reward or the loss only: use --kl k3 with --place "
+         "reward, loss or both, or --kl-clamp none"),
         (args.behaviour == "sampler" or not args.async_lag,
          "--behaviour trainer needs --async-lag 0: the weights that sampled N steps ago are gone, "
          "the sampler's log-probs are the only record of mu"),
@@ -221,7 +226,7 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
     tokens only (a block attention mask, position ids restarting after the prompt). Each token sees
     exactly what it would see in its own sequence, but the prompt is computed once per group instead
     of G times. Prompts are left-padded, so every pack's first response starts at column P and only
-    the last K * T + 1 columns reach the output layer.
+    the last width * T + 1 columns reach the output layer.
     """
     runtime.return_freed_memory()  # the last pass's temporaries: only live tensors stay resident
     B, T = responses.shape
@@ -231,9 +236,9 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
             packs[-1][1].append(row)
         else:
             packs.append((prompt, [row]))
-    # P: prompt width (left-padded), K: most responses in one pack, L: a pack's length
-    P, K = max(len(prompt) for prompt, _ in packs), max(len(rows) for _, rows in packs)
-    L, device = P + K * T, responses.device
+    # P: prompt width (left-padded), width: most responses in one pack, L: a pack's length
+    P, width = max(len(prompt) for prompt, _ in packs), max(len(rows) for _, rows in packs)
+    L, device = P + width * T, responses.device
     input_ids = torch.zeros(len(packs), L, dtype=torch.long, device=device)
     position_ids = torch.zeros_like(input_ids)
     # allowed[j, query, key]: padding sees itself only
@@ -258,7 +263,8 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
                         cache_enabled=False):
         # kept column 0 (the prompt's last) predicts each response's token 0, k*T + t its token t
         logits = model(input_ids=input_ids, attention_mask=allowed.unsqueeze(1),
-                       position_ids=position_ids, use_cache=False, logits_to_keep=K * T + 1).logits
+                       position_ids=position_ids, use_cache=False,
+                       logits_to_keep=width * T + 1).logits
     t = torch.arange(T)
     kept_column = torch.where(t > 0, slot_of_row[:, None] * T + t, 0)  # (B, T): predicts token t
     logits = logits[pack_of_row[:, None].to(device), kept_column.to(device)]  # (B, T, vocab)
@@ -342,6 +348,140 @@ def load(args, checkpoint_dir):
     return examples, eval_sets, tokenizer, policy, stop_ids
 
 
+@dataclass
+class Batch:
+    """One step's rollout, scored and log-probed: what each minibatch's update reads, a row per
+    completion (each prompt's G completions contiguous: an RLOO group)."""
+    prompts: list  # each row's prompt ids
+    tokens: torch.Tensor  # (B, T) response ids
+    mask: torch.Tensor  # (B, T) response_mask
+    policy_logp: torch.Tensor  # (B, T) log pi_theta at the step's start, --logprob-dtype, no grad
+    ref_logp: torch.Tensor  # (B, T) log pi_ref (policy_logp when there is no reference)
+    behaviour_logp: torch.Tensor  # (B, T) log mu, the policy that sampled (--behaviour)
+    advantages: torch.Tensor  # (B,) or (B, T)
+
+
+def update(args, policy, optimizer, batch, minibatch, first):
+    """One AdamW step on the rows `minibatch` of the step's batch: the PPO-clip (or truncated IS)
+    surrogate of eq. 4 plus the KL loss of eq. 9 where --place puts it, both normalized by the
+    minibatch's response tokens on all ranks. Accumulates over micro-batches (DDP reduces in the
+    last one's backward). Returns ([pg_loss, kl_loss, clip_frac] summed over ranks, grad norm,
+    whether the step was taken: a non-finite loss or gradient skips it)."""
+    device = batch.tokens.device
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    dtype, logprob_dtype = getattr(torch, args.dtype), getattr(torch, args.logprob_dtype)
+    mask = batch.mask
+    self_normalized = args.place == "weighted" and args.is_weight == "self-normalized"
+    # the minibatch's log-probs in --logprob-dtype under the current weights: policy_logp until the
+    # first update, then a no-grad pass of their own (only if the gradient pass runs in another
+    # dtype, or the self-normalized weight needs them)
+    exact_logp = batch.policy_logp[minibatch]
+    if not first and (dtype != logprob_dtype or self_normalized):
+        exact_logp = no_grad_logprobs(policy, [batch.prompts[r] for r in minibatch],
+                                      batch.tokens[minibatch], mask[minibatch], args.temperature,
+                                      logprob_dtype, args.micro_batch)[0]
+    log_mean_w = 0.0  # --is-weight self-normalized: log mean_j w_j, all ranks
+    if self_normalized:
+        log_mean_w = importance_weights(kl.log_importance_weights(
+            exact_logp, batch.behaviour_logp[minibatch], mask[minibatch]), device)["log_mean_w"]
+    # --place weighted's w: capped at e^30 (exact), or at C (truncated)
+    max_log_w = math.log(args.is_cap) if args.is_weight == "truncated" else kl.MAX_LOG_W
+    # num_tokens: response tokens of the minibatch on all ranks, both losses' normalizer
+    num_tokens = mask[minibatch].sum()
+    if dist.is_initialized():
+        dist.all_reduce(num_tokens)
+    micro_batches = minibatch.split(args.micro_batch)
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    for i, rows in enumerate(micro_batches):
+        # DDP all-reduces gradients in the backward of the last micro-batch only
+        no_sync = isinstance(policy, DDP) and i < len(micro_batches) - 1
+        with policy.no_sync() if no_sync else contextlib.nullcontext():
+            logp, _ = token_logprobs(policy, [batch.prompts[r] for r in rows], batch.tokens[rows],
+                                     mask[rows], args.temperature, dtype)
+            if dtype != logprob_dtype:  # exact_logp's values, this pass's gradient
+                logp = logp + (exact_logp[rows - minibatch[0]] - logp).detach()
+            # the ratio's old policy: on-policy (one minibatch, no lag) sg[logp], so the ratio is
+            # exactly 1; else mu, the policy that sampled
+            on_policy = args.minibatches == 1 and not args.async_lag
+            old_logp = logp.detach() if on_policy else batch.behaviour_logp[rows]
+            if args.loss == "ppo":
+                pg_loss, clip_frac = advantage.policy_loss(
+                    logp, old_logp, batch.advantages[rows], mask[rows], num_tokens, args.clip_eps)
+            else:  # clip_frac: the truncated fraction
+                pg_loss, clip_frac = advantage.truncated_is_loss(
+                    logp, old_logp, batch.advantages[rows], mask[rows], num_tokens, args.is_cap)
+            if args.place == "weighted":  # unbiased off-policy: w sg[K1], w = pi/mu
+                kl_loss = kl.off_policy_kl_loss(logp, batch.behaviour_logp[rows],
+                                                batch.ref_logp[rows], mask[rows], args.beta,
+                                                num_tokens, max_log_w, log_mean_w)
+            else:
+                kl_loss = kl.kl_loss(logp, batch.ref_logp[rows], mask[rows], args.kl, args.place,
+                                     args.beta, num_tokens, args.kl_clamp)
+            # DDP and FSDP average gradients over ranks; num_tokens counts all ranks already
+            ((pg_loss + kl_loss) * world_size).backward()
+        sums += torch.stack([pg_loss.detach(), kl_loss.detach(), clip_frac]).double()
+    losses = list(runtime.all_reduce_sums(
+        dict(zip(("pg_loss", "kl_loss", "clip_frac"), sums.tolist())), device).values())
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+    grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
+    # a non-finite loss or gradient (K3-in-reward's r = pi_ref/pi can overflow): skip the update,
+    # show it in the log, do not crash
+    stepped = math.isfinite(grad_norm) and math.isfinite(sum(losses))
+    if stepped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return losses, grad_norm, stepped
+
+
+def step_metrics(args, step, batch, sampled, scores, returns, entropy, updates, seconds):
+    """The step's metrics.jsonl row, over all ranks: reward, the KL to the reference (K1 and K3
+    per sequence, eq. 5, at the step's start), the updates' losses, how far the sampler mu was
+    from the policy pi trained on its samples, and the time spent (sampling, training)."""
+    (losses, grad_norms, skipped), (sample_s, train_s) = updates, seconds
+    device, mask, out = batch.tokens.device, batch.mask, sampled["out"]
+    with torch.no_grad():
+        k1 = (mask * kl.estimate(batch.policy_logp, batch.ref_logp, "k1")).sum(1)
+        k3 = (mask * kl.estimate(batch.policy_logp, batch.ref_logp, "k3")).sum(1)
+    behaviour, ratio_max = sampler_vs_trainer(out.token_logprobs, batch.policy_logp, mask, device)
+    # the sequence-level importance weights w = prod_t pi/mu at the step's start
+    weights = importance_weights(kl.log_importance_weights(batch.policy_logp,
+                                                           batch.behaviour_logp, mask), device)
+    total = runtime.all_reduce_sums({
+        "sequences": len(batch.prompts), "score": scores.sum().item(),
+        "correct": (scores >= 1).sum().item(), "return": returns.sum().item(),
+        "kl_k1": k1.sum().item(), "kl_k3": k3.sum().item(), "tokens": mask.sum().item(),
+        "entropy": entropy.sum().item(), **behaviour}, device)
+    n, num_resp = total["sequences"], total["tokens"]
+    use_reference = args.place != "none" and args.beta > 0
+    pg_loss, kl_loss, clip_frac = np.mean(losses, axis=0).tolist()
+    return {"step": step, "reward": total["score"] / n, "accuracy": total["correct"] / n,
+            "return": total["return"] / n,
+            "kl_k1": total["kl_k1"] / n if use_reference else None,
+            "kl_k3": total["kl_k3"] / n if use_reference else None,
+            "loss": pg_loss + kl_loss, "pg_loss": pg_loss, "kl_loss": kl_loss,
+            "entropy": total["entropy"] / num_resp, "response_len": num_resp / n,
+            "grad_norm": float(np.mean(grad_norms)), "clip_frac": clip_frac,
+            "mismatch_kl": total["mismatch_kl"] / num_resp,
+            "lag": step - 1 - sampled["weights_step"],
+            "behaviour_kl_k1": total["behaviour_kl_k1"] / n,
+            "behaviour_kl_k3": total["behaviour_kl_k3"] / n,
+            "ratio_mean": total["ratio"] / num_resp, "ratio_max": ratio_max,
+            "ratio_outside": total["ratio_outside"] / num_resp,
+            "log_w_max": weights["log_w_max"], "is_ess": weights["is_ess"],
+            "lr": args.lr, "sample_s": sample_s, "train_s": train_s,  # a constant rate
+            "tokens_per_s": num_resp / (sample_s + train_s), "skipped": skipped}
+
+
+def reference_model(args, device):
+    """pi_ref: the initial policy, frozen, in fp32 like the policy's no-grad pass; None when no KL
+    is used (--place none or --beta 0)."""
+    if args.place == "none" or args.beta == 0:
+        return None
+    reference = load_model(args.model, torch.float32, args.trust_remote_code)
+    reference.requires_grad_(False)
+    return runtime.shard(reference) if args.fsdp else reference.to(device)
+
+
 def main(argv=None):
     args = parser.parse_args(argv)
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -349,15 +489,12 @@ def main(argv=None):
                                 f"{args.place}-{args.beta:g}-seed{args.seed}")
     if message := check_flags(args, world_size):
         runtime.fail(message, "train.py")
-    use_reference = args.place != "none" and args.beta > 0
 
     # ---------------------------------------------------------------- set-up
     rank, world_size, device, dtype = runtime.start(args.dtype)
     args.dtype = str(dtype).removeprefix("torch.")  # "auto" resolved: a resume must compute alike
     logprob_dtype = getattr(torch, args.logprob_dtype)
     print0 = print if rank == 0 else lambda *a, **k: None
-    random.seed(args.seed)
-    np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     # the sampler's random stream: each rank its own
     generator = torch.Generator(device=device).manual_seed(1000 * args.seed + rank)
@@ -373,11 +510,7 @@ def main(argv=None):
         policy.train()  # transformers checkpoints only in train mode: keep dropout off, as in eval
         runtime.no_dropout(policy)
     policy = runtime.wrap(policy, device, args.fsdp)
-    reference = None  # pi_ref: the initial policy, frozen, in fp32 like the policy's no-grad pass
-    if use_reference:
-        reference = load_model(args.model, torch.float32, args.trust_remote_code)
-        reference.requires_grad_(False)
-        reference = runtime.shard(reference) if args.fsdp else reference.to(device)
+    reference = reference_model(args, device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.01)
     start_step, position = 0, 0  # steps done, prompts consumed (over all ranks)
     queue = collections.deque()  # batches sampled ahead (--async-lag), oldest first
@@ -395,12 +528,7 @@ def main(argv=None):
     if device.type == "cuda":  # what the sampler will attend with, by the rule it follows
         print0(rollout.flash_choice(device, dtype)[1])
 
-    G, temperature = args.group_size, args.temperature
-    # --place weighted's w: capped at e^30 (exact), or at C (truncated); self-normalized
-    max_log_w = math.log(args.is_cap) if args.is_weight == "truncated" else kl.MAX_LOG_W
-    self_normalized = args.place == "weighted" and args.is_weight == "self-normalized"
-    prompts_per_rank = args.prompts_per_step // world_size
-    bad_in_a_row = 0
+    G, prompts_per_rank, bad_in_a_row = args.group_size, args.prompts_per_step // world_size, 0
     steps = range(start_step + 1, args.steps + 1)
     bar = tqdm(steps, initial=start_step, total=args.steps, disable=rank != 0)
     for step in bar:
@@ -416,13 +544,12 @@ def main(argv=None):
             # each prompt's G completions are contiguous: an RLOO group
             prompts = [ids for example in problems
                        for ids in [data.prompt_ids(tokenizer, example)] * G]
-            out = rollout.generate(sampler, prompts, args.max_new_tokens, temperature, args.top_p,
-                                   stop_ids, generator)
+            out = rollout.generate(sampler, prompts, args.max_new_tokens, args.temperature,
+                                   args.top_p, stop_ids, generator)
             queue.append({"weights_step": step - 1, "problems": problems, "prompts": prompts,
                           "out": out})
         sampled = queue.popleft()
-        problems, prompts, out = sampled["problems"], sampled["prompts"], sampled["out"]
-        batch = [example for example in problems for _ in range(G)]
+        prompts, out = sampled["prompts"], sampled["out"]
         tokens, mask = out.tokens, out.response_mask
         runtime.release_sampler(sampler, policy)  # its memory goes to training until the refresh
         sample_s = time.time() - t0
@@ -430,125 +557,47 @@ def main(argv=None):
         # ------------------------------------------------------------ reward
         t0 = time.time()
         completions = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+        problems = [example for example in sampled["problems"] for _ in range(G)]
         scores = torch.tensor([data.score(example, completion)
-                               for example, completion in zip(batch, completions)], device=device)
+                               for example, completion in zip(problems, completions)],
+                              device=device)
 
         # ------------------------------------------------------------ log-probs
         # policy and reference, in --logprob-dtype (fp32: bf16 rounding would put a noise floor
         # under every KL and ratio)
-        old_logp, entropy = no_grad_logprobs(policy, prompts, tokens, mask, temperature,
-                                             logprob_dtype, args.micro_batch, entropy=True)
-        ref_logp = old_logp if reference is None else no_grad_logprobs(
-            reference, prompts, tokens, mask, temperature, logprob_dtype, args.micro_batch)[0]
+        policy_logp, entropy = no_grad_logprobs(policy, prompts, tokens, mask, args.temperature,
+                                                logprob_dtype, args.micro_batch, entropy=True)
+        ref_logp = policy_logp if reference is None else no_grad_logprobs(
+            reference, prompts, tokens, mask, args.temperature, logprob_dtype, args.micro_batch)[0]
 
         # ------------------------------------------------------------ shape (eq. 7), advantage
-        returns = kl.shape_rewards(scores, old_logp, ref_logp, mask, args.kl, args.place, args.beta,
-                                   args.kl_clamp)
-        advantages = ADVANTAGES[args.advantage](returns, G)
+        returns = kl.shape_rewards(scores, policy_logp, ref_logp, mask, args.kl, args.place,
+                                   args.beta, args.kl_clamp)
         # mu, the policy that sampled: the sampler's own log-probs, or (--behaviour trainer, lag 0)
         # the fp32 pass at the same weights
-        behaviour_logp = out.token_logprobs if args.behaviour == "sampler" else old_logp
+        behaviour_logp = out.token_logprobs if args.behaviour == "sampler" else policy_logp
+        batch = Batch(prompts, tokens, mask, policy_logp, ref_logp, behaviour_logp,
+                      ADVANTAGES[args.advantage](returns, G))
 
         # ------------------------------------------------------------ loss and step
         losses, grad_norms, skipped = [], [], 0  # losses: sums over all ranks, a row per minibatch
-        for index, minibatch in enumerate(torch.arange(len(batch)).tensor_split(args.minibatches)):
-            # the minibatch's log-probs in --logprob-dtype under the current weights: old_logp
-            # until the first update, then a no-grad pass of their own (only if the gradient pass
-            # runs in another dtype, or the self-normalized weight needs them)
-            exact_logp = old_logp[minibatch]
-            if index > 0 and (dtype != logprob_dtype or self_normalized):
-                exact_logp = no_grad_logprobs(policy, [prompts[r] for r in minibatch],
-                                              tokens[minibatch], mask[minibatch], temperature,
-                                              logprob_dtype, args.micro_batch)[0]
-            log_mean_w = 0.0  # --is-weight self-normalized: log mean_j w_j, all ranks
-            if self_normalized:
-                log_mean_w = importance_weights(kl.log_importance_weights(
-                    exact_logp, behaviour_logp[minibatch], mask[minibatch]), device)["log_mean_w"]
-            # num_tokens: response tokens of the minibatch on all ranks, both losses' normalizer
-            num_tokens = mask[minibatch].sum()
-            if dist.is_initialized():
-                dist.all_reduce(num_tokens)
-            micro_batches = minibatch.split(args.micro_batch)
-            sums = torch.zeros(3, dtype=torch.float64, device=device)
-            for i, rows in enumerate(micro_batches):
-                # DDP all-reduces gradients in the backward of the last micro-batch only
-                last = i == len(micro_batches) - 1
-                no_sync = isinstance(policy, DDP) and not last
-                with policy.no_sync() if no_sync else contextlib.nullcontext():
-                    logp, _ = token_logprobs(policy, [prompts[r] for r in rows], tokens[rows],
-                                             mask[rows], temperature, dtype)
-                    if dtype != logprob_dtype:  # exact_logp's values, this pass's gradient
-                        logp = logp + (exact_logp[rows - minibatch[0]] - logp).detach()
-                    # on-policy (one minibatch, no lag) the ratio is exactly 1: old = sg[logp]
-                    on_policy = args.minibatches == 1 and not args.async_lag
-                    old = logp.detach() if on_policy else behaviour_logp[rows]
-                    if args.loss == "ppo":
-                        pg_loss, clip_frac = advantage.policy_loss(
-                            logp, old, advantages[rows], mask[rows], num_tokens, args.clip_eps)
-                    else:  # clip_frac: the truncated fraction
-                        pg_loss, clip_frac = advantage.truncated_is_loss(
-                            logp, old, advantages[rows], mask[rows], num_tokens, args.is_cap)
-                    if args.place == "weighted":  # unbiased off-policy: w sg[K1], w = pi/mu
-                        kl_loss = kl.off_policy_kl_loss(logp, behaviour_logp[rows], ref_logp[rows],
-                                                        mask[rows], args.beta, num_tokens,
-                                                        max_log_w, log_mean_w)
-                    else:
-                        kl_loss = kl.kl_loss(logp, ref_logp[rows], mask[rows], args.kl, args.place,
-                                             args.beta, num_tokens, args.kl_clamp)
-                    # DDP and FSDP average gradients over ranks; num_tokens counts all ranks already
-                    ((pg_loss + kl_loss) * world_size).backward()
-                sums += torch.stack([pg_loss.detach(), kl_loss.detach(), clip_frac]).double()
-            minibatch_sums = runtime.all_reduce_sums(
-                dict(zip(("pg_loss", "kl_loss", "clip_frac"), sums.tolist())), device)
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-            if isinstance(grad_norm, DTensor):
-                grad_norm = grad_norm.full_tensor()
-            grad_norm = float(grad_norm)
-            if math.isfinite(grad_norm) and math.isfinite(sum(minibatch_sums.values())):
-                optimizer.step()
-                bad_in_a_row = 0
-            else:  # skip the update: K3-in-reward can overflow (Fig. 3); show it, do not crash
-                skipped += 1
-                bad_in_a_row += 1
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(list(minibatch_sums.values()))
+        minibatches = torch.arange(len(prompts)).tensor_split(args.minibatches)
+        for index, minibatch in enumerate(minibatches):
+            minibatch_losses, grad_norm, stepped = update(args, policy, optimizer, batch, minibatch,
+                                                          first=index == 0)
+            bad_in_a_row = 0 if stepped else bad_in_a_row + 1
+            skipped += not stepped
+            losses.append(minibatch_losses)
             grad_norms.append(grad_norm)
         runtime.refresh_sampler(sampler, policy)
         train_s = time.time() - t0
 
         # ------------------------------------------------------------ log
-        with torch.no_grad():
-            k1 = (mask * kl.estimate(old_logp, ref_logp, "k1")).sum(1)  # per sequence (eq. 5)
-            k3 = (mask * kl.estimate(old_logp, ref_logp, "k3")).sum(1)
-        behaviour, ratio_max = sampler_vs_trainer(out.token_logprobs, old_logp, mask, device)
-        # the sequence-level importance weights w = prod_t pi/mu at the step's start
-        weights = importance_weights(kl.log_importance_weights(old_logp, behaviour_logp, mask),
-                                     device)
-        total = runtime.all_reduce_sums({
-            "sequences": len(batch), "score": scores.sum().item(),
-            "correct": (scores >= 1).sum().item(), "return": returns.sum().item(),
-            "kl_k1": k1.sum().item(), "kl_k3": k3.sum().item(), "tokens": mask.sum().item(),
-            "entropy": entropy.sum().item(), **behaviour}, device)
-        n, num_resp = total["sequences"], total["tokens"]
-        pg_loss, kl_loss, clip_frac = np.mean(losses, axis=0).tolist()
-        row = {"step": step, "reward": total["score"] / n, "accuracy": total["correct"] / n,
-               "return": total["return"] / n,
-               "kl_k1": total["kl_k1"] / n if use_reference else None,
-               "kl_k3": total["kl_k3"] / n if use_reference else None,
-               "loss": pg_loss + kl_loss, "pg_loss": pg_loss, "kl_loss": kl_loss,
-               "entropy": total["entropy"] / num_resp, "response_len": num_resp / n,
-               "grad_norm": float(np.mean(grad_norms)), "clip_frac": clip_frac,
-               "mismatch_kl": total["mismatch_kl"] / num_resp,
-               "lag": step - 1 - sampled["weights_step"],
-               "behaviour_kl_k1": total["behaviour_kl_k1"] / n,
-               "behaviour_kl_k3": total["behaviour_kl_k3"] / n,
-               "ratio_mean": total["ratio"] / num_resp, "ratio_max": ratio_max,
-               "ratio_outside": total["ratio_outside"] / num_resp,
-               "log_w_max": weights["log_w_max"], "is_ess": weights["is_ess"],
-               "lr": optimizer.param_groups[0]["lr"], "sample_s": sample_s, "train_s": train_s,
-               "tokens_per_s": num_resp / (sample_s + train_s), "skipped": skipped}
+        row = step_metrics(args, step, batch, sampled, scores, returns, entropy,
+                           (losses, grad_norms, skipped), (sample_s, train_s))
+
         if args.eval_every and step % args.eval_every == 0:
-            row.update(evaluate_pass1(args, sampler, tokenizer, eval_sets, len(batch), rank,
+            row.update(evaluate_pass1(args, sampler, tokenizer, eval_sets, len(prompts), rank,
                                       world_size))
         if rank == 0:
             with open(metrics_path, "a") as file:

@@ -55,6 +55,20 @@ def compute_dtype(name, device):
     return getattr(torch, name)
 
 
+# --logprob-dtype auto on CUDA: the pick of the rule registered in docs/precision.md (issue 35), the
+# fastest option whose KL floor is negligible; fp32 until the rule's GPU measurement is in
+CUDA_LOGPROB_DTYPE = "float32"
+
+
+def logprob_dtype(name, device):
+    """The torch dtype of the no-grad log-prob passes for --logprob-dtype `name` on `device`
+    ("auto": CUDA_LOGPROB_DTYPE on CUDA, fp32 on a CPU, where bf16 rounding puts a floor under
+    every KL: docs/precision.md)."""
+    if name == "auto":
+        name = CUDA_LOGPROB_DTYPE if device.type == "cuda" else "float32"
+    return getattr(torch, name)
+
+
 def start(dtype="auto"):
     """(rank, world_size, device, dtype): this process's device (GPU LOCAL_RANK of its node), set
     before torchrun's process group is joined, so NCCL binds to it (device_id) and not to cuda:0;

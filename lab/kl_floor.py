@@ -11,10 +11,17 @@ which way such a weight rounds).
 
     python -m lab.kl_floor  # the embedded SmolLM2-135M-Instruct, a few seconds
     python -m lab.kl_floor --perturb sign-grad --eps 1e-7
+    python -m lab.kl_floor --perturb sign-grad --eps 1e-7 --device cuda --bf16-grid --json F
+
+On CUDA it also prints fp32 with TF32 matmuls and fp16 autocast, the options of the trainer's
+no-grad passes that issue 35 times; --bf16-grid first rounds every weight to bf16, as Qwen and
+Llama are released (the embedded model's weights come from a 4-bit GGUF file: 8% bf16 ties).
 """
 import argparse
 import contextlib
 import copy
+import json
+from pathlib import Path
 
 import torch
 
@@ -35,6 +42,10 @@ parser.add_argument("--responses", type=int, default=2, help="responses sampled 
 parser.add_argument("--max-new-tokens", type=int, default=120, help="tokens per response (no EOS)")
 parser.add_argument("--seed", type=int, default=0,
                     help="seeds the prompts' sampling and the random signs")
+parser.add_argument("--device", default="cpu", help="cpu or cuda")
+parser.add_argument("--bf16-grid", action="store_true",
+                    help="round every weight to bf16 first, as models released in bf16 are")
+parser.add_argument("--json", default=None, help="also write the rows here (JSON)")
 
 
 def bf16_grid(model):
@@ -65,12 +76,17 @@ def fp32_head(model):
         model.lm_head.forward = forward
 
 
-def floor_row(policy, reference, prompts, responses, mask, dtype):
+def floor_row(policy, reference, prompts, responses, mask, dtype, tf32=False):
     """(per-token log-ratio std, mean sequence K1, mean sequence K3) with log-probs computed in
-    `dtype`."""
-    with torch.no_grad():
-        logp = token_logprobs(policy, prompts, responses, mask, 1.0, dtype)[0].double()
-        ref_logp = token_logprobs(reference, prompts, responses, mask, 1.0, dtype)[0].double()
+    `dtype` (with tf32: fp32 with TF32 matmuls, CUDA)."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        with torch.no_grad():
+            logp = token_logprobs(policy, prompts, responses, mask, 1.0, dtype)[0].double()
+            ref_logp = token_logprobs(reference, prompts, responses, mask, 1.0, dtype)[0].double()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
     log_ratio = (logp - ref_logp)[mask.bool()]
     # eq. 11, summed over the response (eq. 5)
     k1 = (mask * kl.estimate(logp, ref_logp, "k1")).sum(1).mean()
@@ -81,12 +97,17 @@ def floor_row(policy, reference, prompts, responses, mask, dtype):
 def main(argv=None):
     args = parser.parse_args(argv)
     torch.manual_seed(args.seed)
+    device = torch.device(args.device)
     tokenizer = load_tokenizer(args.model)
-    reference = load_model(args.model).requires_grad_(False)
+    reference = load_model(args.model).requires_grad_(False).to(device)
+    if args.bf16_grid:
+        with torch.no_grad():
+            for param in reference.parameters():
+                param.copy_(param.bfloat16().float())
     examples = data.load_task("arith", split="test", limit=args.responses, seed=args.seed)
     prompts = [data.prompt_ids(tokenizer, example) for example in examples]
     out = rollout.generate(reference, prompts, args.max_new_tokens, 1.0, 1.0, None,
-                           torch.Generator().manual_seed(args.seed))
+                           torch.Generator(device=device).manual_seed(args.seed))
     responses, mask = out.tokens, out.response_mask
 
     policy = copy.deepcopy(reference)
@@ -95,7 +116,7 @@ def main(argv=None):
         token_logprobs(policy, prompts, responses, mask, 1.0, torch.float32)[0].sum().backward()
         directions = [param.grad.sign() for param in policy.parameters()]
     else:
-        directions = [torch.randint(0, 2, param.shape).float() * 2 - 1
+        directions = [torch.randint(0, 2, param.shape).to(device).float() * 2 - 1
                       for param in policy.parameters()]
     with torch.no_grad():
         for param, direction in zip(policy.parameters(), directions):
@@ -121,8 +142,18 @@ def main(argv=None):
     with fp32_head(policy), fp32_head(reference):
         rows.append(("bf16 autocast, fp32 lm_head",
                      floor_row(policy, reference, prompts, responses, mask, torch.bfloat16)))
+    if device.type == "cuda":  # the other options of the no-grad passes (issue 35)
+        rows.append(("fp32, TF32 matmuls", floor_row(policy, reference, prompts, responses, mask,
+                                                     torch.float32, tf32=True)))
+        rows.append(("fp16 autocast",
+                     floor_row(policy, reference, prompts, responses, mask, torch.float16)))
     for name, (std, k1, k3) in rows:
         print(f"| {name} | {std:.2g} | {k1:.2g} | {k3:.2g} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "flags": vars(args), "bf16_exact": exact, "bf16_ties": ties, "moved": moved,
+            "rows": {name: {"std": std, "k1": k1, "k3": k3} for name, (std, k1, k3) in rows}},
+            indent=1) + "\n")
 
 
 if __name__ == "__main__":

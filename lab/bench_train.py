@@ -1,0 +1,289 @@
+"""The trainer's speed on one GPU: each phase of a training step, its MFU and peak memory (issue 35).
+
+One step of the 1-GPU recipe (docs/gpu.md: Qwen2.5-1.5B, --group-size 5, --micro-batch 8, 1,024-token
+responses) on random-weight models built from configs in the shapes of Qwen2.5 (no download: speed and
+memory do not depend on the weights), through the trainer's own functions:
+- train: 0.5B and 1.5B shapes, fp32 master weights and AdamW, bf16 compute. Phases, each timed
+  alone (CUDA synchronized): sampling (rollout.generate, EOS off, --sample-tokens new tokens: the
+  sampler's speed per decode step, docs/benchmarks.md has it in full), the policy's and the
+  reference's no-grad log-prob passes (train.no_grad_logprobs, --logprob-dtype float32), and the
+  update (train.update: the gradient pass over the micro-batches, forward and backward, then the
+  AdamW step, timed apart) with activation checkpointing on and off. The training passes run on
+  fixed-length random responses of --response-tokens tokens.
+- nograd: the 3B and 7B shapes, where a policy with AdamW does not fit one card: one no-grad pass.
+- precision: the no-grad pass at the 1.5B shape in fp32, fp32 with TF32 matmuls, bf16 and fp16
+  autocast (fp32 accumulation), each timed (their KL floors: lab/kl_floor.py --device cuda).
+MFU is model FLOPs over time over the card's dense bf16 peak: 2 FLOPs a weight a position forward
+(6 with the backward; the recomputation of activation checkpointing is not counted, as is usual),
+plus attention's 4 L^2 d a layer forward over every pair the dense mask lets through, on the
+positions the passes compute (a group packs its prompt once and its responses after it). Peak
+memory is torch.cuda.max_memory_allocated over each phase. The JSON is rewritten after each part,
+so a timeout keeps what finished.
+
+    python -m lab.bench_train --out bench_train.json           # on a GPU, ~5 min on an H100
+    python -m lab.bench_train --allow-cpu --shapes tiny --out /tmp/bench_train.json   # this script
+"""
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+import rollout
+import runtime
+import train
+
+# Qwen2.5's configs (config.json on the hub), with the trainer's fp32 master weights
+SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True),
+    "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                 num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                 tie_word_embeddings=True),
+    "1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                 tie_word_embeddings=True),
+    "3B": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+               num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
+               tie_word_embeddings=True),
+    "7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+               num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+               tie_word_embeddings=False),
+}
+# dense bf16 tensor-core peaks (FLOP/s, SXM parts), by a word of torch.cuda.get_device_name()
+BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+PRECISIONS = ("float32", "tf32", "bfloat16", "float16")
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--out", default="bench_train.json", help="the JSON report")
+parser.add_argument("--parts", nargs="+", default=["train", "nograd", "precision"],
+                    choices=("train", "nograd", "precision"))
+parser.add_argument("--shapes", nargs="+", default=["0.5B", "1.5B", "3B", "7B"], choices=SHAPES,
+                    help="train uses those up to 1.5B (and tiny), nograd the larger ones, "
+                         "precision the 1.5B (or the largest train shape given)")
+parser.add_argument("--prompts", type=int, default=16,
+                    help="prompts of the step (the recipe's 64, reduced to keep a step short; the "
+                         "phases' times are per token, so they scale)")
+parser.add_argument("--group-size", type=int, default=5, help="completions per prompt (recipe: 5)")
+parser.add_argument("--prompt-tokens", type=int, default=160, help="tokens of each prompt")
+parser.add_argument("--response-tokens", type=int, default=1024,
+                    help="tokens of each response in the training passes (recipe: 1,024)")
+parser.add_argument("--sample-tokens", type=int, default=128,
+                    help="new tokens of the timed sampling (EOS off)")
+parser.add_argument("--micro-batch", type=int, default=8, help="train.py's --micro-batch")
+parser.add_argument("--allow-cpu", action="store_true",
+                    help="run without CUDA (to try this script: tiny shapes, no memory figures)")
+
+
+def build(shape, device, seed=0):
+    """A Qwen2ForCausalLM of `shape` with random fp32 weights, made on `device`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=32768, rope_theta=1e6)
+    with torch.device(device):
+        return Qwen2ForCausalLM(config).float()
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device, fn, *args, **kwargs):
+    """(fn's result, seconds, peak bytes allocated during it or None on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    sync(device)
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    sync(device)
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return result, seconds, peak
+
+
+def batch_of(args, vocab_size, device):
+    """(prompts, responses, mask): --prompts random prompts, each --group-size times (an RLOO group
+    is contiguous), and fixed-length random responses."""
+    g = torch.Generator().manual_seed(0)
+    distinct = [torch.randint(vocab_size, (args.prompt_tokens,), generator=g).tolist()
+                for _ in range(args.prompts)]
+    prompts = [prompt for prompt in distinct for _ in range(args.group_size)]
+    responses = torch.randint(vocab_size, (len(prompts), args.response_tokens), generator=g)
+    return prompts, responses.to(device), torch.ones(responses.shape, device=device)
+
+
+def pass_flops(model, args, num_rows, backward):
+    """Model FLOPs of one pass over `num_rows` rows packed as train.token_logprobs packs them."""
+    config = model.config
+    packs = num_rows // args.group_size
+    length = args.prompt_tokens + args.group_size * args.response_tokens  # a pack's positions
+    kept = args.group_size * args.response_tokens + 1  # positions that reach the output layer
+    head = config.vocab_size * config.hidden_size
+    body = sum(p.numel() for p in model.model.layers.parameters())
+    attention = 4 * length ** 2 * config.hidden_size * config.num_hidden_layers  # QK^T and AV
+    forward = packs * (2 * body * length + 2 * head * kept + attention)
+    return 3 * forward if backward else forward
+
+
+def mfu(flops, seconds, peak):
+    return None if peak is None else flops / seconds / peak
+
+
+def trainer_args(args, dtype):
+    """train.py's flags for update(): the recipe's, K1 in the reward, one minibatch."""
+    flags = train.parser.parse_args(["--kl", "k1", "--place", "reward", "--group-size",
+                                     str(args.group_size), "--micro-batch", str(args.micro_batch)])
+    flags.dtype = str(dtype).removeprefix("torch.")
+    return flags
+
+
+def train_part(args, shape, device, peak):
+    """One training step's phases at `shape` (see the docstring)."""
+    dtype = runtime.compute_dtype("auto", device)
+    policy, result = build(shape, device), {"shape": shape}
+    reference = build(shape, device).requires_grad_(False)
+    num_params = sum(p.numel() for p in policy.parameters())
+    prompts, responses, mask = batch_of(args, policy.config.vocab_size, device)
+    result.update(params=num_params, rows=len(prompts), response_tokens=args.response_tokens)
+
+    sampler = runtime.make_sampler(policy, device, dtype, fsdp=False)
+    generator = torch.Generator(device=device).manual_seed(0)
+    rows = prompts[:args.prompts * args.group_size]
+    _, seconds, memory = timed(device, rollout.generate, sampler, rows, args.sample_tokens, 1.0,
+                               1.0, None, generator)
+    result["sampling"] = {"s": seconds, "ms_per_step": 1e3 * seconds / args.sample_tokens,
+                          "peak_bytes": memory}
+    runtime.release_sampler(sampler, policy)
+
+    forward_flops = pass_flops(policy, args, len(prompts), backward=False)
+    warm = slice(0, args.group_size)  # one group first: kernels chosen, memory pools grown
+    train.no_grad_logprobs(policy, prompts[warm], responses[warm], mask[warm], 1.0, torch.float32,
+                           args.micro_batch)
+    for name, model in (("policy_nograd", policy), ("reference_nograd", reference)):
+        (logp, _), seconds, memory = timed(device, train.no_grad_logprobs, model, prompts,
+                                           responses, mask, 1.0, torch.float32, args.micro_batch,
+                                           entropy=name == "policy_nograd")
+        result[name] = {"s": seconds, "tokens_per_s": mask.sum().item() / seconds,
+                        "peak_bytes": memory, "mfu": mfu(forward_flops, seconds, peak)}
+    del reference
+
+    flags = trainer_args(args, dtype)
+    batch = train.Batch(prompts, responses, mask, logp, logp, logp,
+                        torch.randn(len(prompts), device=device))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-7, weight_decay=0.01)
+    optimizer_seconds = []
+    step = optimizer.step
+
+    def timed_step(*a, **k):  # the AdamW step alone, inside update()
+        sync(device)
+        start = time.perf_counter()
+        out = step(*a, **k)
+        sync(device)
+        optimizer_seconds.append(time.perf_counter() - start)
+        return out
+
+    optimizer.step = timed_step
+    grad_flops = pass_flops(policy, args, len(prompts), backward=True)
+    for checkpointing in (True, False):
+        if checkpointing:  # as train.py turns it on
+            getattr(policy, "activation_checkpointing_enable",
+                    policy.gradient_checkpointing_enable)({"use_reentrant": False})
+            policy.train()
+            runtime.no_dropout(policy)
+        else:
+            getattr(policy, "activation_checkpointing_disable",
+                    policy.gradient_checkpointing_disable)()
+        try:
+            _, seconds, memory = timed(device, train.update, flags, policy, optimizer, batch,
+                                       torch.arange(len(prompts)), True)
+        except torch.OutOfMemoryError as error:
+            result[f"update_checkpointing_{checkpointing}"] = {"error": str(error).splitlines()[0]}
+            continue
+        gradient_s = seconds - optimizer_seconds[-1]
+        result[f"update_checkpointing_{checkpointing}"] = {
+            "s": seconds, "gradient_pass_s": gradient_s, "optimizer_s": optimizer_seconds[-1],
+            "tokens_per_s": mask.sum().item() / gradient_s, "peak_bytes": memory,
+            "mfu": mfu(grad_flops, gradient_s, peak)}
+    nograd = result["policy_nograd"]["s"] + result["reference_nograd"]["s"]
+    update = result["update_checkpointing_True"].get("s")
+    result["nograd_share_of_training"] = None if update is None else nograd / (nograd + update)
+    return result
+
+
+def nograd_part(args, shape, device, peak, precisions=("float32", "bfloat16")):
+    """One no-grad log-prob pass at `shape` in each of `precisions` (tokens/s, MFU, peak)."""
+    model = build(shape, device).requires_grad_(False)
+    prompts, responses, mask = batch_of(args, model.config.vocab_size, device)
+    flops = pass_flops(model, args, len(prompts), backward=False)
+    result = {"shape": shape, "params": sum(p.numel() for p in model.parameters()),
+              "rows": len(prompts)}
+    warm = slice(0, args.group_size)  # one group first: kernels chosen, memory pools grown
+    train.no_grad_logprobs(model, prompts[warm], responses[warm], mask[warm], 1.0, torch.float32,
+                           args.micro_batch)
+    for precision in precisions:
+        tf32 = precision == "tf32"
+        dtype = torch.float32 if tf32 else getattr(torch, precision)
+        if device.type != "cuda" and dtype == torch.float16:
+            result[precision] = {"skipped": "fp16 autocast is timed on CUDA only"}
+            continue
+        previous = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        try:
+            _, seconds, memory = timed(device, train.no_grad_logprobs, model, prompts, responses,
+                                       mask, 1.0, dtype, args.micro_batch)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = previous
+        result[precision] = {"s": seconds, "tokens_per_s": mask.sum().item() / seconds,
+                             "peak_bytes": memory, "mfu": mfu(flops, seconds, peak)}
+    return result
+
+
+def machine(device):
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    peak = next((flops for word, flops in BF16_PEAK.items() if word in name), None)
+    return {"device": name or platform.machine(), "torch": torch.__version__,
+            "bf16_peak_flops": peak, "compute_dtype": str(runtime.compute_dtype("auto", device))}
+
+
+def main(argv=None):
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.allow_cpu:
+        raise SystemExit("bench_train: no CUDA device; --allow-cpu runs it on the CPU (tiny shapes)")
+    device = torch.device("cuda" if cuda else "cpu")
+    report = {"machine": machine(device), "flags": vars(args), "parts": {}}
+    peak = report["machine"]["bf16_peak_flops"]
+    out = Path(args.out)
+
+    def save():
+        out.write_text(json.dumps(report, indent=1) + "\n")
+
+    save()
+    small = [s for s in args.shapes if s in ("tiny", "0.5B", "1.5B")]
+    large = [s for s in args.shapes if s in ("3B", "7B")]
+    jobs = [("train", s, train_part) for s in small] + [("nograd", s, nograd_part) for s in large]
+    if "precision" in args.parts and small:
+        jobs.append(("precision", small[-1], lambda a, s, d, p: nograd_part(a, s, d, p, PRECISIONS)))
+    for part, shape, run in jobs:
+        if part not in args.parts:
+            continue
+        started = time.perf_counter()
+        try:
+            result = run(args, shape, device, peak)
+        except Exception as error:  # noqa: BLE001 - one failed part must not lose the others
+            result = {"shape": shape, "error": f"{type(error).__name__}: {error}".splitlines()[0]}
+        result["part_s"] = time.perf_counter() - started
+        report["parts"][f"{part}/{shape}"] = result
+        save()
+        print(f"{part}/{shape}: {json.dumps(result)}", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""lab/bench_train.py on the CPU at a tiny shape: every part runs and reports, and its FLOP count
+(the MFU's numerator) matches PyTorch's own FlopCounterMode on the trainer's packed pass."""
+import json
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import train
+from lab import bench_train
+
+TINY = ["--allow-cpu", "--shapes", "tiny", "--prompts", "2", "--group-size", "2",
+        "--prompt-tokens", "6", "--response-tokens", "8", "--sample-tokens", "4",
+        "--micro-batch", "2"]
+
+
+def test_every_part_reports_on_a_cpu(tmp_path, one_thread):
+    out = tmp_path / "bench.json"
+    report = bench_train.main([*TINY, "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))  # what it returned
+    train_part, precision = report["parts"]["train/tiny"], report["parts"]["precision/tiny"]
+    assert "error" not in train_part and "error" not in precision
+    for phase in ("sampling", "policy_nograd", "reference_nograd", "update_checkpointing_True",
+                  "update_checkpointing_False"):
+        assert train_part[phase]["s"] > 0, phase
+    for on in (True, False):
+        update = train_part[f"update_checkpointing_{on}"]
+        assert update["gradient_pass_s"] + update["optimizer_s"] == pytest.approx(update["s"])
+    assert 0 < train_part["nograd_share_of_training"] < 1
+    assert {"float32", "tf32", "bfloat16"} <= {k for k, v in precision.items()
+                                               if isinstance(v, dict) and v.get("s")}
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_flops_match_pytorchs_count(backward, one_thread):
+    """pass_flops against FlopCounterMode on token_logprobs' packed forward (and backward): the
+    same matmuls and attention (eager, so the counter sees it), to the 2% that the formula's
+    biases and norms (counted as weights) leave."""
+    args = bench_train.parser.parse_args(TINY)
+    model = bench_train.build("tiny", torch.device("cpu"))
+    model.set_attn_implementation("eager")  # attention as matmuls, which the counter counts
+    prompts, responses, mask = bench_train.batch_of(args, model.config.vocab_size, "cpu")
+    with FlopCounterMode(display=False) as counter:
+        logp, _ = train.token_logprobs(model, prompts, responses, mask, 1.0, torch.float32)
+        if backward:
+            logp.sum().backward()
+    counted = counter.get_total_flops()
+    assert bench_train.pass_flops(model, args, len(prompts), backward) == pytest.approx(counted,
+                                                                                        rel=0.02)

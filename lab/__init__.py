@@ -4,6 +4,7 @@ Run each from the repository's root as a module, e.g. `python -m lab.study fig3`
 - kl_gradients, kl_stats: Table 1 measured on SmolLM2's gradients, and the statistics behind it;
 - study, study_report: the paper's findings over seeds, with pre-registered verdicts;
 - kl_floor: the KL noise floor of bf16 log-probs (docs/precision.md);
-- bench_rollout, bench_memory: sampler speed, and a training run's peak memory and step time;
+- bench_rollout, bench_memory, bench_train: sampler speed; a training run's peak memory and step
+  time; a training step's phases, MFU and peak memory on a GPU;
 - gpu_check: one acceptance command for a CUDA machine.
 """

@@ -38,7 +38,8 @@ from runtime import barrier, fail, stop_if_any_rank, unwrap
 # flags that do not change what a run computes (the gradient does not depend on the micro-batch, the
 # sharding or recomputation); every other flag must match the checkpoint's for --resume
 RESUMABLE_CHANGES = {"out", "resume", "steps", "save_every", "eval_every", "eval_tasks",
-                     "eval_limit", "micro_batch", "grad_checkpointing", "fsdp", "max_bad_steps"}
+                     "eval_limit", "micro_batch", "grad_checkpointing", "fsdp", "max_bad_steps",
+                     "report_to"}
 
 
 def run_flags(args):

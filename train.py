@@ -51,6 +51,7 @@ import advantage
 import checkpoint
 import data
 import kl
+import report
 import rollout
 import runtime
 from hub import HubUnreachable
@@ -151,13 +152,18 @@ group.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --out")
 group.add_argument("--max-bad-steps", type=int, default=3,
                    help="stop after this many updates in a row with a non-finite loss or gradient")
+group.add_argument("--report-to", default="none", choices=report.CHOICES,
+                   help="also log metrics.jsonl's rows live to TensorBoard (event files in OUT) or "
+                        "W&B (WANDB_MODE=offline: files in OUT/wandb), from rank 0 (report.py)")
 group = parser.add_argument_group("system")
 group.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="compute dtype of the sampler and the gradient pass (weights and AdamW "
                         "state stay fp32); auto = bf16 where the device has it")
-group.add_argument("--logprob-dtype", default="float32", choices=("float32", "bfloat16"),
+group.add_argument("--logprob-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="dtype of the log-probs that feed the KL, the ratio and the loss values: "
-                        "float32 = exact, bfloat16 = the fast, noisy way (docs/precision.md)")
+                        "float32 = exact, bfloat16 = the fast, noisy way; auto = float32 on a CPU, "
+                        "on CUDA the pick of docs/precision.md's registered rule (float32 until "
+                        "its GPU run)")
 group.add_argument("--micro-batch", type=int, default=8,
                    help="sequences per forward/backward (the gradient does not depend on it; 8 "
                         "keeps the default run under 4 GiB whatever the responses' lengths)")
@@ -204,7 +210,7 @@ def check_flags(args, world_size):
     ]:
         if not ok:
             return message
-    return None
+    return report.problem(args.report_to)  # the package, W&B's credentials: before any model loads
 
 
 def prompt_batch(examples, start, count, seed):
@@ -493,7 +499,8 @@ def main(argv=None):
     # ---------------------------------------------------------------- set-up
     rank, world_size, device, dtype = runtime.start(args.dtype)
     args.dtype = str(dtype).removeprefix("torch.")  # "auto" resolved: a resume must compute alike
-    logprob_dtype = getattr(torch, args.logprob_dtype)
+    logprob_dtype = runtime.logprob_dtype(args.logprob_dtype, device)
+    args.logprob_dtype = str(logprob_dtype).removeprefix("torch.")  # resolved, as --dtype
     print0 = print if rank == 0 else lambda *a, **k: None
     torch.manual_seed(args.seed)
     # the sampler's random stream: each rank its own
@@ -519,6 +526,7 @@ def main(argv=None):
         start_step, position = trainer_state["step"], trainer_state["data_position"]
     if rank == 0:
         metrics_path = checkpoint.start_log(args, start_step, resumed=resume_from is not None)
+    report_row = report.open(args, start_step, rank)  # --report-to's writer on rank 0, or None
     num_params = sum(p.numel() for p in runtime.unwrap(policy).parameters())
     print0(f"{args.model}: {num_params / 1e6:.0f}M parameters on {world_size} x {device.type}, "
            f"{str(dtype)[6:]} compute, {args.task} ({len(examples)} problems), "
@@ -602,6 +610,8 @@ def main(argv=None):
         if rank == 0:
             with open(metrics_path, "a") as file:
                 file.write(json.dumps(row) + "\n")
+            if report_row:
+                report_row(row)
         bar.set_postfix(reward=f"{row['reward']:.3f}", kl=f"{row['kl_k1'] or 0:.4f}",
                         len=f"{row['response_len']:.0f}")
         if bad_in_a_row >= args.max_bad_steps:
@@ -613,6 +623,7 @@ def main(argv=None):
             save(args, step, position, world_size, policy, tokenizer, optimizer, generator, queue,
                  rank)
 
+    report.close()
     save(args, max(args.steps, start_step), position, world_size, policy, tokenizer, optimizer,
          generator, queue, rank, name="final")
     print0(f"saved {args.out / 'final'}")

@@ -667,7 +667,9 @@ def test_resume_refuses_another_resolved_dtype(tiny, tmp_path):
 
     extra = ("--dtype", "auto", "--steps", "1")
     train(flags(tiny, tmp_path, *extra), runtime__bf16_is_native=lambda device: False)
-    assert json.loads((tmp_path / "config.json").read_text())["dtype"] == "float32"
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["dtype"] == "float32"
+    assert config["logprob_dtype"] == "float32"  # --logprob-dtype auto, resolved on a CPU
     with pytest.raises(SystemExit) as error:
         train(flags(tiny, tmp_path, *extra, "--resume"),
               runtime__bf16_is_native=lambda device: True)

@@ -31,19 +31,27 @@ pi_ref is the base model; pi the same after N steps of no-KL RLOO training on `a
    without its tail: per sequence, the sampled K3 over the tokens whose ratio pi_ref / pi is at most
    R (at most max(R - 1 - log R, log pi/pi_ref) a token: no tail of large ratios) against its exact
    expectation sum_t sum_{v: r_v <= R} p_v K3_v, and the expected number of tokens over R, for R in
-   TAIL_RATIOS.
+   TAIL_RATIOS. With --grad-tail R,... the same for the gradient rows (issue 36, item 2): K3-in-loss
+   and K3-in-reward through the trainer's functions with K3 counted on the sampled tokens of ratio
+   <= R only (no tail of large ratios: |1 - r| <= R), each minus its exact expectation (p3 over
+   {v: r_v <= R}; eq. 45's row with K3 1{r <= R}), one row each: E = 0.
 4. Scale. beta = 1 and num_tokens = G: each group's vector is a per-sequence estimate in nats
    (eq. 6); beta multiplies every row alike (no cosine or relative bias depends on it).
-5. Dimensions. Gradients w.r.t. the last decoder layer, a fixed random subset of --coords
-   coordinates in each of its attention and MLP blocks. Each block is a view of its own, and the
-   layer is a third: the two blocks' inner products reweighted by parameters per kept coordinate
-   (0.88M / 16,384 and 2.65M / 16,384), an unbiased estimate of the whole layer's (issue 27,
-   item 3).
+5. Dimensions (kl_coords.py). Gradients w.r.t. the last decoder layer, a fixed random subset of
+   --coords coordinates in each of its attention and MLP blocks. Each block is a view of its own,
+   and the layer is a third: the two blocks' inner products reweighted by parameters per kept
+   coordinate (0.88M / 16,384 and 2.65M / 16,384), an unbiased estimate of the whole layer's
+   (issue 27, item 3). --layers whole (issue 36): every parameter, the tied embedding once; the
+   same last-layer blocks (the same coordinates) and 2 x --coords more over the rest of the model
+   in four blocks, stratified by size; views "layer" and "model" (and every block, every layer's
+   attention, every layer's MLP) from the same groups, so the two compare paired. Its entries come
+   from each module's input and output gradient (kl_coords.entry_gradients: no full gradient).
 6. Statistics (kl_stats.py): U-statistics over pairs of distinct units, intervals from their
    Hoeffding decomposition. Per biased row: cos(E[g], grad KL), ||bias|| / ||grad KL||,
    n* = tr Var / ||bias||^2 (one sequence's variance of the sampled row: the batch size at which its
    squared bias overtakes its noise, Fig. 1 on the LLM); f's share of grad KL; each sampled row
-   against its exact expectation.
+   against its exact expectation; with --layers whole, per biased row the model's cosine minus
+   the layer's (paired); with --grad-tail, each truncated row's check.
 7. Chunks. Groups are sampled in chunks seeded by (--seed, distance, chunk) and saved under
    --chunks as they finish, so a stopped run resumes, and more --groups extends it. Each chunk
    records pi's hash and the machine (CPU, its flags, GPU): another kind of CPU trains another pi
@@ -51,12 +59,16 @@ pi_ref is the base model; pi the same after N steps of no-KL RLOO training on `a
 8. At scale (--batch-groups B > 1, GPUs). B groups in one pass: token_logprobs packs each group
    into one sequence, and a Linear's weight gradient is sum_l delta_l a_l^T, so per-pack products
    give every group's gradient exactly (batch_gradients, tested against group_gradients). Each
-   batch's mean is then one unit (var = G B tr Cov of a unit).
+   batch's mean is then one unit (var = G B tr Cov of a unit). --layers whole batches the same way
+   (packed_gradients: per pack, each module's input and output gradient).
 
     python -m lab.kl_gradients              # trains pi if absent, then steps 20 and 5, 1,536 groups
     python -m lab.kl_gradients --analyze    # the statistics of the saved chunks only
     python -m lab.kl_gradients --device cuda --groups 8192 --batch-groups 32 \\
         --chunks runs/kl-gradients/chunks-gpu --out studies/kl-gradients-gpu
+    python -m lab.kl_gradients --layers whole --grad-tail 10,100 --groups 768 \\
+        --chunks runs/kl-gradients-whole/chunks --out studies/kl-gradients-whole \\
+        --figure studies/kl-gradients-whole/figure.png    # issue 36: the whole model
 """
 import argparse
 import hashlib
@@ -74,7 +86,9 @@ import torch
 import advantage
 import data
 import kl
+from lab import kl_coords
 from lab import kl_stats as S
+from lab.kl_coords import choose_subsets, coordinates  # noqa: F401 (the script's API)
 import rollout
 from lab import study
 import train
@@ -125,9 +139,16 @@ group = parser.add_argument_group("coordinates")
 group.add_argument("--layers", default="-1.self_attn,-1.mlp",
                    help="one block per entry, INDEX or INDEX.SUBMODULE of the decoder layers (the "
                         "last layer's attention, its MLP), or 'all': two disjoint random subsets "
-                        "of the whole parameter vector")
+                        "of the whole parameter vector, or 'whole': every parameter, the last "
+                        "layer's blocks as the default's and the rest of the model in four "
+                        "(kl_coords.py)")
 group.add_argument("--coords", type=int, default=16384,
-                   help="random coordinates kept per block (0: all of the block's)")
+                   help="random coordinates kept per block (0: all of the block's; 'whole': 2x "
+                        "this over the rest of the model)")
+group.add_argument("--grad-tail", default="",
+                   help="ratios R, comma-separated (e.g. 10,100): per R two more rows, the "
+                        "sampled K3-in-loss and K3-in-reward over the tokens of ratio pi_ref / pi "
+                        "<= R minus their exact expectations (issue 36, item 2)")
 group.add_argument("--basis", default="coords", choices=("coords", "displacement"),
                    help="coords: --coords random coordinates per block; displacement: per row of "
                         "each matrix, the component along theta_pi - theta_ref")
@@ -223,10 +244,18 @@ def loo_baseline(to_go, mask, group_size):
     return (others / present.clamp(min=1)).reshape(B, T)
 
 
-def exact_coefficients(logp_all, ref_all, mask, group_size, num_tokens=None):
+def score_coefficients(kl_prefix, m, group_size, num_tokens):
+    """sum_{t>s} KL_t - b_s on the sampled token at s (f's coefficient, per-prefix KL_t given)."""
+    to_go = after(m * kl_prefix)
+    return (to_go - loo_baseline(to_go, m, group_size)) * m / num_tokens
+
+
+def exact_coefficients(logp_all, ref_all, mask, group_size, num_tokens=None, tail=()):
     """({row: (dloss/dlog pi(v | h) (B, T, V) or None, dloss/dlogp (B, T) or None)} of the exact
-    rows (docstring, step 3), per-prefix {kl, forward_kl, chi2, clamp_deficit} (B, T), 0 past the
-    end). Computed in float64 from detached log-probs; num_tokens = G like the sampled rows."""
+    rows (docstring, step 3), and for each R of `tail` p3_below_R and k3r_below_R, the exact
+    expectations of truncated_coefficients' rows; per-prefix {kl, forward_kl, chi2, clamp_deficit}
+    (B, T), 0 past the end). Computed in float64 from detached log-probs; num_tokens = G like the
+    sampled rows."""
     num_tokens = group_size if num_tokens is None else num_tokens
     lp, lq, m = logp_all.detach().double(), ref_all.detach().double(), mask.double()
     p, log_ratio = lp.exp(), lp - lq  # log p/q, computed once: (B, T, V) passes dominate
@@ -234,10 +263,7 @@ def exact_coefficients(logp_all, ref_all, mask, group_size, num_tokens=None):
     k3_clamped = kl.estimate(lp, lq, "k3", "verl")  # eq. 14 at every token, clamped as verl
     kl_clamped = (p * k3_clamped).sum(-1)  # E_pi[clamped K3_t | h_t] (unclamped: KL_t)
     w = (m / num_tokens)[..., None]
-
-    def score_part(kl_prefix):  # sum_{t>s} KL_t - b_s on the sampled token at s
-        to_go = after(m * kl_prefix)
-        return (to_go - loo_baseline(to_go, m, group_size)) * m / num_tokens
+    score_part = lambda kl_prefix: score_coefficients(kl_prefix, m, group_size, num_tokens)  # noqa
 
     rows = {
         # grad_z KL_t = p (log p/q - KL_t): the path-wise gradient of KL_t at h_t, E[K2-in-loss]
@@ -263,6 +289,14 @@ def exact_coefficients(logp_all, ref_all, mask, group_size, num_tokens=None):
         # E[K3 1{r <= R} | h_t]; with R -> inf it is KL_t (sum_v q_v = 1), the tail the rest
         prefix[f"k3_below_{R}"] = (p * k3_all * below).sum(-1) * m
         prefix[f"tail_prob_{R}"] = (p * (1 - below)).sum(-1) * m  # P(r > R | h_t)
+    for R in tail:  # the K3 rows' exact expectations over the tokens of ratio r = q/p <= R
+        below = (-log_ratio <= math.log(R)).double()
+        x = k3_all * below  # K3 1{r <= R} at every token, its expectation x_t
+        x_t = (p * x).sum(-1)
+        # eq. 41 over r <= R: sum_{v: r_v <= R} (p_v - q_v) grad log p_v
+        rows[f"p3_below_{R}"] = ((p - lq.exp()) * below * w, None)
+        # eq. 45's K3-in-reward with K3 1{r <= R}: at s E[x_s grad log p(y_s)], x_t to go after
+        rows[f"k3r_below_{R}"] = (p * (x - x_t[..., None]) * w, score_part(x_t))
     dtype = logp_all.dtype
     return ({name: tuple(None if c is None else c.to(dtype) for c in pair)
              for name, pair in rows.items()}, prefix)
@@ -281,12 +315,48 @@ def k3_tail(logp, ref_logp, mask, prefix):
     return out
 
 
-def row_outputs(logp, logp_all, ref_logp, ref_all, mask, scores, group_size):
-    """({row: [(output, coefficient), ...]} for every row of ROWS but the sums, per-prefix
-    quantities): the VJPs that give each row's parameter gradient."""
+def truncated_coefficients(logp, ref_logp, mask, group_size, R, num_tokens=None):
+    """{k3_loss_below_R, k3_reward_below_R: dloss/dlogp (B, T)}: K3-in-loss and K3-in-reward through
+    the trainer's functions with K3 counted on the sampled tokens of ratio pi_ref / pi <= R only
+    (the KL's mask cut to them, the policy gradient's whole): no tail of large ratios (|1 - r| <= R,
+    K3 <= max(R - 1 - log R, log pi/pi_ref)) (issue 36, item 2). Expectations: exact_coefficients'
+    p3_below_R and k3r_below_R (test_kl_gradients.py enumerates every group of the toy model)."""
+    num_tokens = group_size if num_tokens is None else num_tokens
+    below = mask * (ref_logp - logp.detach() <= math.log(R)).to(mask.dtype)
+    leaf = logp.detach().clone().requires_grad_()
+    in_loss = kl.kl_loss(leaf, ref_logp, below, "k3", "loss", 1.0, num_tokens)  # eq. 9
+    # eq. 7: returns 0 - sum_t sg[K3_t 1{r_t <= R}], RLOO, the policy gradient over every token
+    returns = kl.shape_rewards(torch.zeros_like(leaf[:, 0]), leaf, ref_logp, below, "k3",
+                               "reward", 1.0)
+    pg_loss, _ = advantage.policy_loss(leaf, leaf.detach(), advantage.rloo(returns, group_size),
+                                       mask, num_tokens)
+    return {f"k3_loss_below_{R}": torch.autograd.grad(in_loss, leaf)[0],
+            f"k3_reward_below_{R}": torch.autograd.grad(pg_loss, leaf)[0]}
+
+
+def ratios(args):
+    """--grad-tail as a tuple of ints."""
+    return tuple(int(r) for r in args.grad_tail.split(",") if r)
+
+
+def tail_rows(tail):
+    """The difference rows of --grad-tail: sampled K3 row over ratios <= R minus its exact
+    expectation (E = 0 exactly), for each R."""
+    return [f"{name}_below_{R}" for R in tail for name in ("k3_loss", "k3_reward")]
+
+
+def row_outputs(logp, logp_all, ref_logp, ref_all, mask, scores, group_size, tail=()):
+    """({row: [(output, coefficient), ...]} for every row of ROWS but the sums, and the rows of
+    tail_rows(tail), per-prefix quantities): the VJPs that give each row's parameter gradient."""
     coefs = coefficients(logp.detach(), ref_logp, mask, scores, group_size)
     outputs = {name: [(logp, c)] for name, c in coefs.items() if name not in SUMS}
-    exact, prefix = exact_coefficients(logp_all, ref_all, mask, group_size)
+    exact, prefix = exact_coefficients(logp_all, ref_all, mask, group_size, tail=tail)
+    for R in tail:  # one VJP each: sampled (on logp) minus exact (on logp_all and logp)
+        sampled = truncated_coefficients(logp.detach(), ref_logp, mask, group_size, R)
+        for name, key in (("k3_loss", f"p3_below_{R}"), ("k3_reward", f"k3r_below_{R}")):
+            c_all, c_token = exact.pop(key)
+            c_token = sampled[f"{name}_below_{R}"] - (0 if c_token is None else c_token)
+            outputs[f"{name}_below_{R}"] = [(logp_all, -c_all), (logp, c_token)]
     for name, (c_all, c_token) in exact.items():
         outputs[name] = ([(logp_all, c_all)] if c_all is not None else []) + (
             [(logp, c_token)] if c_token is not None else [])
@@ -294,11 +364,12 @@ def row_outputs(logp, logp_all, ref_logp, ref_all, mask, scores, group_size):
 
 
 def stack_rows(rows):
-    """(..., len(ROWS), m) from {row: (..., m)}, the "both" rows as the sums they are (their
-    coefficients are the sums: test_kl_gradients.py)."""
+    """(..., len(ROWS) + len(tail rows), m) from {row: (..., m)}, ROWS then any tail rows, the
+    "both" rows as the sums they are (their coefficients are the sums: test_kl_gradients.py)."""
     for name, parts in SUMS.items():
         rows[name] = rows[parts[0]] + rows[parts[1]]
-    return torch.stack([rows[name] for name in ROWS], dim=-2).float().cpu()
+    names = ROWS + [name for name in rows if name not in ROWS]
+    return torch.stack([rows[name] for name in names], dim=-2).float().cpu()
 
 
 def group_gradients(outputs, params, subsets):
@@ -320,7 +391,8 @@ def row_gradients(outputs, params, subsets):
     return rows
 
 
-def batch_gradients(policy, reference, prompts, tokens, mask, scores, group_size, params, subsets):
+def batch_gradients(policy, reference, prompts, tokens, mask, scores, group_size, params, subsets,
+                    tail=()):
     """((groups, len(ROWS), m), logp, ref_logp, per-prefix quantities): group_gradients for many
     groups in one pass. The rows of each group (one prompt, contiguous) are one pack of
     train.token_logprobs; a Linear's weight gradient is sum_l delta_l a_l^T over the positions l,
@@ -344,7 +416,8 @@ def batch_gradients(policy, reference, prompts, tokens, mask, scores, group_size
         raise ValueError("adjacent groups share a prompt: token_logprobs packed them together")
     with torch.no_grad():
         ref_logp, ref_all = vocab_logprobs(reference, prompts, tokens, mask)
-    outputs, prefix = row_outputs(logp, logp_all, ref_logp, ref_all, mask, scores, group_size)
+    outputs, prefix = row_outputs(logp, logp_all, ref_logp, ref_all, mask, scores, group_size,
+                                  tail)
     rows = {}
     for i, (name, pairs) in enumerate(outputs.items()):
         tensors, coefs = zip(*pairs)
@@ -356,6 +429,23 @@ def batch_gradients(policy, reference, prompts, tokens, mask, scores, group_size
         rows[name] = torch.cat([grads[j].reshape(groups, -1)[:, index] for subset in subsets
                                 for j, index in subset], dim=1)
         del grads, deltas
+    return stack_rows(rows), logp.detach(), ref_logp, prefix
+
+
+def packed_gradients(policy, reference, prompts, tokens, mask, scores, group_size, params,
+                     subsets, tail=()):
+    """batch_gradients for coordinates of any parameters (--layers whole): each pack's (group's)
+    rows from the owning modules' inputs and output gradients (kl_coords.entry_gradients), the
+    tied embedding's two uses summed. One group or many; adjacent groups must differ in prompt."""
+    with kl_coords.capture(policy, params) as (saved, owned):
+        logp, logp_all = vocab_logprobs(policy, prompts, tokens, mask)
+    if len(next(iter(saved.values()))[0]) != len(prompts) // group_size:
+        raise ValueError("adjacent groups share a prompt: token_logprobs packed them together")
+    with torch.no_grad():
+        ref_logp, ref_all = vocab_logprobs(reference, prompts, tokens, mask)
+    outputs, prefix = row_outputs(logp, logp_all, ref_logp, ref_all, mask, scores, group_size,
+                                  tail)
+    rows = kl_coords.entry_gradients(outputs, saved, owned, params, subsets)
     return stack_rows(rows), logp.detach(), ref_logp, prefix
 def spread(problems, key):
     """The problems reordered so that no two neighbours have the same key (a prompt drawn twice in
@@ -372,71 +462,6 @@ def spread(problems, key):
     if any(key(a) == key(b) for a, b in zip(result, result[1:])):
         raise ValueError("one prompt fills over half of a batch: lower --batch-groups")
     return result
-
-
-def choose_subsets(model, layers, coords, seed, reference=None):
-    """(params that need grad, subsets, weights): each subset a list of (index into params, flat
-    coordinate indices), `coords` random coordinates of one block of a decoder layer, or of the
-    whole vector ('all'); weights[i] = the block's parameters per kept coordinate (halved for
-    'all', whose two subsets share one pool), so sum_i weights_i <a, b>_i estimates the inner
-    product over all of the blocks' parameters. With a `reference` (--basis displacement) the
-    entries are (index, theta - theta_ref) instead: the gradient's components along the
-    displacement of each row, weights 1."""
-    gen = torch.Generator().manual_seed(seed)
-    if layers == "all":
-        pools = [list(model.named_parameters())] * 2
-    else:  # "INDEX" or "INDEX.SUBMODULE" of model.model.layers
-        pools = []
-        for entry in layers.split(","):
-            index, _, sub = entry.partition(".")
-            path = (f"model.layers.{int(index) % len(model.model.layers)}"
-                    + (f".{sub}" if sub else ""))
-            pools.append([(f"{path}.{name}", p)
-                          for name, p in model.get_submodule(path).named_parameters()])
-    params = list(dict.fromkeys(p for pool in pools for _, p in pool))
-    position = {id(p): j for j, p in enumerate(params)}
-    taken = {}  # 'all': the two subsets are disjoint
-    subsets, weights = [], []
-    for pool in pools:
-        if reference is not None:
-            ref_params = dict(reference.named_parameters())
-            subsets.append([(position[id(p)], (p.detach() - ref_params[name].detach()))
-                            for name, p in pool])
-            weights.append(1.0)
-            continue
-        sizes = torch.tensor([p.numel() for _, p in pool])
-        total = int(sizes.sum())
-        if coords and coords < total:
-            flat = torch.randint(total, (4 * coords,), generator=gen).unique()
-            flat = flat[torch.randperm(len(flat), generator=gen)]
-            flat = flat[~torch.isin(flat, taken.get(id(pool[0]), torch.zeros(0, dtype=torch.long)))]
-            flat = flat[:coords].sort().values
-        else:
-            flat = torch.arange(total)
-        taken[id(pool[0])] = torch.cat([taken.get(id(pool[0]), flat[:0]), flat])
-        starts = torch.cumsum(sizes, 0) - sizes
-        subset = []
-        for (_, p), start, size in zip(pool, starts.tolist(), sizes.tolist()):
-            inside = flat[(flat >= start) & (flat < start + size)] - start
-            if len(inside):
-                subset.append((position[id(p)], inside.to(p.device)))
-        subsets.append(subset)
-        weights.append(total / len(flat) / (2 if layers == "all" else 1))
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for p in params:
-        p.requires_grad_(True)
-    return params, subsets, weights
-
-
-def coordinates(grad, index):
-    """A subset's coordinates of one parameter's gradient: the kept entries (index: flat long
-    indices), or (index: the displacement theta - theta_ref) the component along each row's
-    displacement, sum_i g_ri delta_ri (each entry of a vector parameter on its own)."""
-    if index.dtype == torch.long:
-        return grad.reshape(-1)[index]
-    product = grad * index
-    return (product.sum(-1) if product.dim() > 1 else product).reshape(-1)
 
 
 # ---------------------------------------------------------------- sampling, in chunks
@@ -469,7 +494,8 @@ def measure_chunk(policy, reference, tokenizer, examples, args, device, params, 
             for name in prefixes:
                 prefixes[name] += prefix[name][mask > 0].tolist()
 
-    batched = args.batch_groups > 1
+    batched, whole, tail = args.batch_groups > 1, args.layers == "whole", ratios(args)
+    gradients = packed_gradients if whole else batch_gradients
     while done < groups:
         count = min(args.batch_groups if batched else args.prompts_per_batch, groups - done)
         problems = [prompt_rng.choice(examples) for _ in range(count)]
@@ -485,8 +511,8 @@ def measure_chunk(policy, reference, tokenizer, examples, args, device, params, 
         tokens, mask = out.tokens, out.response_mask
         done += count
         if batched:  # one unit: the mean of `count` groups' gradients
-            grads, logp, ref_logp, prefix = batch_gradients(policy, reference, prompts, tokens,
-                                                            mask, scores, G, params, subsets)
+            grads, logp, ref_logp, prefix = gradients(policy, reference, prompts, tokens, mask,
+                                                      scores, G, params, subsets, tail)
             X.append(grads.mean(0))
             record(logp, ref_logp, mask, scores, prefix)
             continue
@@ -494,12 +520,19 @@ def measure_chunk(policy, reference, tokenizer, examples, args, device, params, 
             rows = slice(k * G, (k + 1) * G)
             T = int(mask[rows].sum(1).max())  # the group's own padding only
             group_tokens, group_mask = tokens[rows, :T], mask[rows, :T]
+            if whole:  # one pack: the group
+                grads, logp, ref_logp, prefix = packed_gradients(
+                    policy, reference, prompts[rows], group_tokens, group_mask, scores[rows], G,
+                    params, subsets, tail)
+                X.append(grads[0])
+                record(logp, ref_logp, group_mask, scores[rows], prefix)
+                continue
             logp, logp_all = vocab_logprobs(policy, prompts[rows], group_tokens, group_mask)
             with torch.no_grad():
                 ref_logp, ref_all = vocab_logprobs(reference, prompts[rows], group_tokens,
                                                    group_mask)
             outputs, prefix = row_outputs(logp, logp_all, ref_logp, ref_all, group_mask,
-                                          scores[rows], G)
+                                          scores[rows], G, tail)
             X.append(group_gradients(outputs, params, subsets))
             record(logp.detach(), ref_logp, group_mask, scores[rows], prefix)
             del logp, logp_all, outputs
@@ -528,8 +561,11 @@ KEY_FLAGS = ("model", "group_size", "chunk_groups", "prompts_per_batch", "batch_
 
 def run_key(args, pi_hash, machine):
     """What chunks must share to be pooled: pi, the machine, the flags that change a sample."""
+    flags = {flag: getattr(args, flag) for flag in KEY_FLAGS}
+    if args.grad_tail:  # only where set: the chunks saved before the flag keep their key
+        flags["grad_tail"] = args.grad_tail
     return {"pi": pi_hash, "cpu": machine["cpu"], "cpu_flags": machine["cpu_flags"],
-            "gpu": machine["gpu"], "flags": {flag: getattr(args, flag) for flag in KEY_FLAGS}}
+            "gpu": machine["gpu"], "flags": flags}
 
 
 def saved_chunks(directory, key=None):
@@ -580,21 +616,27 @@ def sample_distance(label, path, reference, tokenizer, examples, args, device, m
     records = saved_chunks(directory, key)
     params, subsets, weights = choose_subsets(policy, args.layers, args.coords, args.seed,
                                               reference if args.basis == "displacement" else None)
-    blocks = (["all-a", "all-b"] if args.layers == "all" else args.layers.split(","))
+    blocks = [name for name, _ in kl_coords.pools(policy, args.layers)]
+    extra = {"rows": ROWS + tail_rows(ratios(args))} if args.grad_tail else {}
+    if kl_coords.views(args.layers, blocks):
+        extra["views"] = kl_coords.views(args.layers, blocks)
     sizes = [sum(len(index) if index.dtype == torch.long else len(index.reshape(len(index), -1))
                  for _, index in subset) for subset in subsets]
     chunks = math.ceil(args.groups / args.chunk_groups)
     for chunk in range(chunks):
         if chunk in records:
             continue
-        t0, seed = time.time(), chunk_seed(args.seed, label, chunk)
+        t0, cpu0, seed = time.time(), time.process_time(), chunk_seed(args.seed, label, chunk)
         X, seqs, prefixes = measure_chunk(policy, reference, tokenizer, examples, args, device,
                                           params, subsets, seed, args.chunk_groups)
-        seconds = time.time() - t0
+        seconds, cpu_seconds = time.time() - t0, time.process_time() - cpu0  # a shared machine
         save_chunk(directory, chunk, {"X": X, "seqs": seqs, "prefixes": prefixes},
                    {"key": key, "chunk": chunk, "seed": seed, "groups": args.chunk_groups,
-                    "seconds": seconds, "sizes": sizes, "weights": weights, "blocks": blocks})
-        print(f"{label}: chunk {chunk + 1}/{chunks}, {seconds / args.chunk_groups:.2f} s a group, "
+                    "seconds": seconds, "cpu_seconds": cpu_seconds, "sizes": sizes,
+                    "weights": weights, "blocks": blocks,
+                    **extra})
+        print(f"{label}: chunk {chunk + 1}/{chunks}, {seconds / args.chunk_groups:.2f} s a group "
+              f"({cpu_seconds / args.chunk_groups:.2f} s of CPU), "
               f"KL {seqs['kl'].mean():.3f} nats a sequence (exact)", flush=True)
     del policy
     return key["pi"]
@@ -624,7 +666,8 @@ def load_distance(label, args):
             for key in dict.fromkeys(k for c in seqs for k in c)}
     prefixes = {key: np.concatenate(v) for key, v in prefixes.items()}
     seconds = sum(records[c]["seconds"] for c in wanted)
-    return ({name: X[:, i] for i, name in enumerate(ROWS)}, seqs, prefixes, records[wanted[0]],
+    names = records[wanted[0]].get("rows", ROWS)  # one key, so one list of rows
+    return ({name: X[:, i] for i, name in enumerate(names)}, seqs, prefixes, records[wanted[0]],
             seconds, len(wanted))
 
 
@@ -659,7 +702,8 @@ def main(argv=None):
         rows, seqs, prefixes, record, seconds, chunks = load_distance(label, args)
         t0 = time.time()
         G = args.group_size * args.batch_groups  # sequences per unit
-        views = S.analyze(rows, record["sizes"], record["weights"], record["blocks"], G)
+        views = S.analyze(rows, record["sizes"], record["weights"], record["blocks"], G,
+                          record.get("views"))
         groups = chunks * record["groups"]
         dist = {"label": label, "policy": path, "pi_hash": record["key"]["pi"],
                 "measured_on": {k: record["key"][k] for k in ("cpu", "cpu_flags", "gpu")},
@@ -669,21 +713,7 @@ def main(argv=None):
                 "weights": record["weights"],
                 **S.per_sequence(seqs, prefixes, args.group_size), "views": views}
         results["distances"].append(dist)
-        layer = views["layer"]
-        print(f"{label}: {groups} groups, KL {dist['kl'][0]:.3f} (exact), {dist['k1'][0]:.3f} "
-              f"(K1), {dist['k3'][0]:.3f} (K3) nats; ||grad KL||^2 interval "
-              f"[{layer['grad_kl']['norm2'][1]:.3g}, {layer['grad_kl']['norm2'][2]:.3g}]; "
-              f"f's share {S.fmt(layer['f_share'])}")
-        tails = [f"ratio <= {R}: {S.fmt(dist[f'check_k3_below_{R}'])}" for R in TAIL_RATIOS
-                 if f"check_k3_below_{R}" in dist]
-        print(f"{label}: sampled K3 - exact KL {S.fmt(dist['check_k3'])} nats a sequence" + (
-            f"; on the {dist['tail_groups']} groups with K3's tail recorded "
-            f"{S.fmt(dist['check_k3_tail_groups'])}, over the tokens of {', '.join(tails)}"
-            if tails else ""))
-        for name in BIASED:
-            row = layer["rows"][name]
-            print(f"{label:>9} {name:<15} cos {S.fmt(row['cos'])}  rel. bias "
-                  f"{S.fmt(row['rel_bias'])}  n* {S.fmt(row['n_star'])}")
+        S.report(label, groups, dist, TAIL_RATIOS)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
         results.update(seconds=time.time() - start, peak_rss_gib=peak)
         out.mkdir(parents=True, exist_ok=True)  # after each distance: a stop keeps what it has

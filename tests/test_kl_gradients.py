@@ -52,7 +52,8 @@ def test_intervals_cover_a_known_mean_and_covariance(scale, tail, one_thread):
     ||E g||^2 and ||E e - E g||^2 at a mean exactly 0 (where the percentile bootstrap used before
     covers 99.5-100%, its spread ~1.7x the truth, and a Wald interval on the unbiased variance
     98.5-99.5%: both fail here), with heavy tails, half resolved and resolved; there also
-    cos(E e, E g), the relative bias and the share E e . E g / ||E g||^2."""
+    cos(E e, E g), the relative bias, the share E e . E g / ||E g||^2, and the paired difference of
+    cos(E e, E g) over the whole vector and over 5 of its coordinates (a last layer's view)."""
     reps, covered = 200, {}
     for seed in range(reps):
         rows, mu_g, mu_e = known_case(seed, scale, tail)
@@ -66,6 +67,12 @@ def test_intervals_cover_a_known_mean_and_covariance(scale, tail, one_thread):
                 rel_bias=(S.root(S.ratio(m, S.dot(m, {"e": 1, "g": -1}, {"e": 1, "g": -1}), gg)),
                           (mu_e - mu_g).norm() / mu_g.norm()),
                 share=(S.ratio(m, S.dot(m, {"e": 1}, {"g": 1}), gg), mu_e @ mu_g / (mu_g @ mu_g)))
+            # a "layer" of 5 of the 100 coordinates (3-7) against the whole vector, paired
+            pm = S.paired_moments(grams({k: v[:, 3:8] for k, v in rows.items()}), grams(rows),
+                                  ["e", "g"])
+            cos = lambda a, b: a @ b / (a.norm() * b.norm())  # noqa: E731
+            table["cos_diff"] = (S.compare(pm, {"e": 1}, {"g": 1})["diff"],
+                                 cos(mu_e, mu_g) - cos(mu_e[3:8], mu_g[3:8]))
         for stat, (row, truth) in table.items():
             covered[stat] = covered.get(stat, 0) + inside(row, float(truth))
     rates = {stat: count / reps for stat, count in covered.items()}
@@ -121,11 +128,12 @@ def toy_with_eos(T, theta, ref):
     return params, tokens, mask, dist(*params), dist(*ref), jac
 
 
-def enumerate_groups(T, G, theta, ref):
+def enumerate_groups(T, G, theta, ref, tail=()):
     """Each row's exact expectation E[row] (3,) in (a, b, e) over every group of G responses,
     weighted by its probability, for the exact rows (exact_coefficients) and the trainer's sampled
-    rows (coefficients); grad KL(pi || pi_ref) over whole responses; and each row's variance
-    (trace of the covariance of a group's gradient)."""
+    rows (coefficients), and for each R of `tail` the truncated K3 rows (truncated_coefficients),
+    their exact expectations and row_outputs' difference rows; grad KL(pi || pi_ref) over whole
+    responses; and each row's variance (trace of the covariance of a group's gradient)."""
     params, tokens, mask, dist, ref_dist, jac = toy_with_eos(T, theta, ref)
     logp = dist.gather(-1, tokens[..., None])[..., 0] * mask
     ref_logp = ref_dist.gather(-1, tokens[..., None])[..., 0] * mask
@@ -140,6 +148,19 @@ def enumerate_groups(T, G, theta, ref):
     trainer = K.coefficients(logp.detach()[rows], ref_logp[rows], mask[rows],
                              torch.zeros(len(rows), dtype=f64), G)
     coefs.update({name: (None, c) for name, c in trainer.items()})
+    if tail:
+        exact = K.exact_coefficients(dist.detach()[rows], ref_dist[rows], mask[rows], G,
+                                     tail=tail)[0]
+        coefs.update({name: exact[name] for name in exact if "_below_" in name})
+        for R in tail:
+            coefs.update({name: (None, c) for name, c in K.truncated_coefficients(
+                logp.detach()[rows], ref_logp[rows], mask[rows], G, R).items()})
+        outputs, _ = K.row_outputs(logp.detach()[rows], dist.detach()[rows], ref_logp[rows],
+                                   ref_dist[rows], mask[rows], torch.zeros(len(rows), dtype=f64),
+                                   G, tail)
+        for name in K.tail_rows(tail):  # (logp_all, c_all), (logp, c_token)
+            (_, c_all), (_, c_token) = outputs[name]
+            coefs[f"{name}_diff"] = (c_all, c_token)
     mean, variance = {}, {}
     for name, (c_all, c_token) in coefs.items():
         per_row = 0
@@ -175,6 +196,26 @@ def test_exact_rows_are_each_configurations_expected_gradient(one_thread):
     assert (E["p3"] - E["true"]).abs().max() > 0.1 and E["f"].abs().max() > 0.1  # not trivial
     assert variance["f"] < 0.9 * variance["f_plain"]
     assert variance["p3"] < variance["k3_loss"] and variance["p2"] < variance["k2_loss"]
+
+
+def test_truncated_k3_rows_by_enumeration(one_thread):
+    """--grad-tail (issue 36, item 2), every group of the toy model as above: the sampled
+    K3-in-loss and K3-in-reward rows over the tokens of ratio pi_ref / pi <= R have the exact
+    expectations p3_below_R and k3r_below_R to 1e-12, so row_outputs' difference rows have mean 0;
+    at R = 10 the stop token's ratio (15.5) is cut, and the truncated rows' means move; at
+    R = 100 nothing is cut, and they are the whole rows'."""
+    E, variance, _ = enumerate_groups(3, 3, (0.5, -0.2, -3.0), (0.0, -0.3, 1.0), tail=(10, 100))
+    close = lambda a, b: (a - b).abs().max().item() < 1e-12  # noqa: E731
+    for R in (10, 100):
+        assert close(E[f"k3_loss_below_{R}"], E[f"p3_below_{R}"])
+        assert close(E[f"k3_reward_below_{R}"], E[f"k3r_below_{R}"])
+        for name in ("k3_loss", "k3_reward"):
+            assert close(E[f"{name}_below_{R}_diff"], torch.zeros(3, dtype=f64))
+            assert variance[f"{name}_below_{R}_diff"] > 1e-3  # a real row, not zeros
+    assert close(E["k3_loss_below_100"], E["k3_loss"]) and close(E["p3_below_100"], E["p3"])
+    assert close(E["k3_reward_below_100"], E["k3_reward"])
+    assert (E["p3_below_10"] - E["p3"]).abs().max() > 0.05  # the cut bites at R = 10
+    assert (E["k3r_below_10"] - E["k3_reward"]).abs().max() > 0.05
 
 
 def test_exact_rows_on_a_tiny_llama_by_enumeration(tiny_llama, one_thread):
@@ -228,6 +269,121 @@ def test_exact_rows_on_a_tiny_llama_by_enumeration(tiny_llama, one_thread):
     for R in K.TAIL_RATIOS:
         assert abs(tail[f"k3_below_{R}"] - tail[f"k3_below_{R}_exact"]) < 1e-5
         assert tail[f"k3_below_{R}_exact"] <= k3_mean + 1e-6
+
+
+# ---- the whole model: coordinates of every parameter, the tied embedding counted once -----------
+
+def tied_llama(tiny_llama):
+    """A tiny Llama whose output layer is its embedding (one parameter, as SmolLM2's) and whose
+    padding token (5) has no embedding gradient (F.embedding's padding_idx)."""
+    return tiny_llama(64, tie_word_embeddings=True, pad_token_id=5)
+
+
+def test_whole_model_blocks_count_every_parameter_once(tiny_llama):
+    """--layers whole: the blocks hold every parameter once (the tied embedding and output layer
+    once), the last layer's two blocks keep the default's coordinates, and the weights are each
+    block's parameters per kept coordinate."""
+    model = tied_llama(tiny_llama)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    blocks = K.kl_coords.pools(model, "whole")
+    assert [name for name, _ in blocks] == ["-1.self_attn", "-1.mlp", "embed", "0-0.self_attn",
+                                            "0-0.mlp", "norm"]
+    held = [p for _, pool in blocks for _, p in pool]
+    assert len({id(p) for p in held}) == len(held) == len(list(model.parameters()))
+    assert sum(p.numel() for p in held) == sum(p.numel() for p in model.parameters())
+    _, whole, weights = K.choose_subsets(model, "whole", 300, seed=0)
+    _, last, _ = K.choose_subsets(model, "-1.self_attn,-1.mlp", 300, seed=0)
+    assert all(a[0] == b[0] and torch.equal(a[1], b[1])
+               for x, y in zip(whole[:2], last, strict=True) for a, b in zip(x, y, strict=True))
+    for (_, pool), subset, w in zip(blocks, whole, weights):
+        kept = sum(len(index) for _, index in subset)
+        assert w == sum(p.numel() for _, p in pool) / kept
+    assert K.kl_coords.views("whole", [name for name, _ in blocks])["model"] == [
+        name for name, _ in blocks]
+
+
+def full_gradients(model, outputs, params):
+    """{row: [grad of each of params]}: autograd's own gradient of every parameter (both uses of a
+    tied weight summed, none to the padding row), the reference."""
+    rows = {}
+    for i, (name, pairs) in enumerate(outputs.items()):
+        tensors, coefs = zip(*pairs)
+        rows[name] = torch.autograd.grad(tensors, params, grad_outputs=coefs, retain_graph=True)
+    return rows
+
+
+def test_whole_model_entries_are_autograds_gradients(tiny_llama, one_thread):
+    """packed_gradients (each pack's entries from the modules' inputs and output gradients) gives
+    three groups in one pass, and one group alone, every row's gradient of every parameter that
+    autograd gives (all coordinates: the tied weight's two uses, the padding row, the norms), and at
+    random coordinates the kept entries of it; the model view's reweighted inner product is then
+    the full gradients' inner product exactly with every coordinate, and on average over the
+    coordinates drawn with 40 (unbiased)."""
+    torch.manual_seed(0)
+    model, reference = tied_llama(tiny_llama), tiny_llama(64, seed=1).requires_grad_(False)
+    G = 3
+    prompts = [[1, 5, 3]] * G + [[7, 8]] * G + [[5, 6, 9, 4, 4]] * G
+    tokens = torch.randint(4, 64, (3 * G, 5))
+    tokens[0, 1] = tokens[4, 0] = 5  # the padding token inside responses too
+    mask = torch.ones(3 * G, 5)
+    for row, length in enumerate([5, 2, 4, 1, 3, 3, 5, 5, 2]):
+        mask[row, length:] = 0
+    scores = torch.tensor([0.0, 1.0, 1.0] * 3)
+    params, subsets, weights = K.choose_subsets(model, "whole", 0, seed=0)
+    assert weights == [1.0] * 6
+    X = K.packed_gradients(model, reference, prompts, tokens, mask, scores, G, params, subsets,
+                           tail=(10,))[0]
+    names = K.ROWS + K.tail_rows((10,))
+    assert X.shape == (3, len(names), sum(p.numel() for p in model.parameters()))
+    for k in range(3):
+        rows = slice(k * G, (k + 1) * G)
+        logp, logp_all = K.vocab_logprobs(model, prompts[rows], tokens[rows], mask[rows])
+        with torch.no_grad():
+            ref_logp, ref_all = K.vocab_logprobs(reference, prompts[rows], tokens[rows], mask[rows])
+        outputs, _ = K.row_outputs(logp, logp_all, ref_logp, ref_all, mask[rows], scores[rows], G,
+                                   (10,))
+        full = full_gradients(model, outputs, params)
+        for name, grads in full.items():
+            direct = torch.cat([grads[j].reshape(-1)[index] for subset in subsets
+                                for j, index in subset])
+            torch.testing.assert_close(X[k, names.index(name)], direct, rtol=1e-4, atol=1e-6)
+        embed = [p is model.model.embed_tokens.weight for p in params].index(True)
+        assert full["p3"][embed].abs().max() > 0  # the tied weight's gradient is in the test
+    # one group alone, random coordinates: the kept entries of autograd's gradients
+    params, subsets, weights = K.choose_subsets(model, "whole", 40, seed=1)
+    alone = K.packed_gradients(model, reference, prompts[:G], tokens[:G], mask[:G], scores[:G], G,
+                               params, subsets)[0]
+    torch.testing.assert_close(alone[0], X[0, :len(K.ROWS)][:, torch.cat([
+        sum(p.numel() for p in params[:j]) + index for subset in subsets for j, index in subset])],
+        rtol=1e-4, atol=1e-6)
+    # the model view: every coordinate, weights 1: the full inner product, exactly
+    sizes = [sum(len(index) for _, index in subset) for subset in
+             K.choose_subsets(model, "whole", 0, seed=0)[1]]
+    blocks = [name for name, _ in K.kl_coords.pools(model, "whole")]
+    rows = {name: X[:, i].double() for i, name in enumerate(names)}
+    views = dict(S.view_grams(rows, sizes, [1.0] * 6, blocks, K.kl_coords.views("whole", blocks)))
+    truth = rows["p3"] @ (rows["p2"] + rows["f"]).T
+    torch.testing.assert_close(views["model"][S.key("g", "p3")], (truth + truth.T) / 2)
+    # random coordinates, reweighted (choose_subsets' weights, view_grams' sums): on average over
+    # the draws, the full gradients' inner products (a Monte Carlo mean within 4.5 standard errors)
+    estimates = []
+    for seed in range(300):
+        _, subsets, weights = K.choose_subsets(model, "whole", 40, seed=seed)
+        columns = torch.cat([offset(params, j) + index for subset in subsets
+                             for j, index in subset])
+        sizes = [sum(len(index) for _, index in subset) for subset in subsets]
+        kept = {name: value[:, columns] for name, value in rows.items()}
+        grams = dict(S.view_grams(kept, sizes, weights, blocks, K.kl_coords.views("whole", blocks)))
+        estimates.append(grams["model"][S.key("g", "p3")])
+    estimates = torch.stack(estimates)
+    se = estimates.std(0) / math.sqrt(len(estimates))
+    assert ((estimates.mean(0) - (truth + truth.T) / 2).abs() / se).max() < 4.5
+    assert (estimates.std(0) > 0.01 * truth.abs().max()).all()  # the draws do differ
+
+
+def offset(params, j):
+    """Where parameter j starts in the concatenation of every parameter (choose_subsets' order)."""
+    return sum(p.numel() for p in params[:j])
 
 
 # ---- sampled and exact rows together: the toy model, Monte Carlo, through the statistics --------
@@ -416,3 +572,23 @@ def test_tiny_model_end_to_end(tmp_path, tiny_llama, smollm2_tokenizer, one_thre
                                   "--out", str(tmp_path / "out3"), "--figure", ""])
     layer = results["distances"][0]["views"]["layer"]
     assert layer["rows"]["k1_loss"]["var"][0] > 0 and math.isfinite(layer["f_share"][0])
+    # --layers whole (an untied output layer: a block of its own) and --grad-tail, per group and
+    # batched: every block's view, the last layer's and the model's, the model against the layer
+    # (paired), the gradient rows' tail checks; --analyze gives the same from the chunks
+    whole = flags[:4] + ["--groups", "8", "--chunk-groups", "4", "--max-new-tokens", "5",
+                         "--coords", "100", "--layers", "whole", "--grad-tail", "10,100",
+                         "--figure", ""]
+    for batch in ("1", "2"):
+        run = whole + ["--batch-groups", batch, "--chunks", str(tmp_path / f"whole{batch}"),
+                       "--out", str(tmp_path / f"out-whole{batch}")]
+        dist = K.main(run)["distances"][0]
+        assert set(dist["views"]) == {"-1.self_attn", "-1.mlp", "embed", "head", "0-0.self_attn",
+                                      "0-0.mlp", "norm", "layer", "self_attn", "mlp", "model"}
+        assert set(dist["views"]["model"]["vs_layer"]) == {"k3_reward", "k3_loss", "k2_loss",
+                                                           "k3_reward_verl"}
+        assert set(dist["views"]["layer"]["grad_tail"]) == set(K.tail_rows((10, 100)))
+        for row in dist["views"]["model"]["grad_tail"].values():  # Bonferroni's: wider
+            assert row["check_bonferroni"][1] <= row["check"][1] <= row["check"][2] <= row[
+                "check_bonferroni"][2]
+        again = K.main(run + ["--analyze"])["distances"][0]
+        assert json.dumps(again["views"]) == json.dumps(dist["views"])

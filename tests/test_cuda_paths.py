@@ -170,6 +170,44 @@ def test_flash_generate_equals_hf_greedy(forced_on, monkeypatch, family, dtype):
     assert forced_on.calls > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_flash_fixed_shape_loop_equals_hf_greedy(forced_on, monkeypatch, family, dtype):
+    """The fixed-shape loop (generate(static=True), CUDA's default) through the flash branch, as
+    above: the kernel reads each row's own cache_seqlens, and rows that have emitted EOS stay in
+    the batch and go on writing past their end, so the stand-in's bounds checks see every slot
+    written. fp32: every row equals Hugging Face's greedy generate, and a sampled run equals the
+    SDPA fixed-shape loop's; bf16: every token an argmax up to a tie."""
+    monkeypatch.setattr(forced_on, "ALLOW_FP32", dtype == torch.float32)
+    model = lively(tiny_model(family))
+    free = [hf_greedy(model, prompt, 16) for prompt in PREFILL_PROMPTS]
+    eos = eos_for_mixed_lengths(free)
+    if dtype == torch.bfloat16:
+        model = model.to(dtype)
+    monkeypatch.setattr(forced_on, "calls", 0)
+    out = rollout.generate(model, PREFILL_PROMPTS, 16, temperature=0, eos_token_id=eos,
+                           static=True)
+    calls = forced_on.calls
+    if dtype == torch.float32:
+        assert out.response_ids == [row[: row.index(eos) + 1] if eos in row else row
+                                    for row in free]
+
+        def sampled():
+            return rollout.generate(model, PREFILL_PROMPTS, 12, temperature=1.0, eos_token_id=eos,
+                                    static=True, generator=torch.Generator().manual_seed(0))
+        flash = sampled()
+        monkeypatch.setattr(rollout, "flash_choice", lambda device, dtype: (False, "SDPA"))
+        sdpa = sampled()
+        assert flash.response_ids == sdpa.response_ids
+        torch.testing.assert_close(flash.token_logprobs, sdpa.token_logprobs, atol=1e-5, rtol=0)
+    else:
+        assert_greedy_up_to_ties(model, PREFILL_PROMPTS, out, **TIE)
+    assert len({len(row) for row in out.response_ids}) >= 3, "the test needs rows of 3 lengths"
+    # the decode steps went through the kernel too: more calls than the prefill's, one a layer a
+    # bucket of prompts
+    assert calls > rollout.BUCKETS * model.config.num_hidden_layers
+
+
 # ---------------------------------------------------------------- the rules, on fake GPUs
 @pytest.mark.parametrize("major, minor, native", [(7, 0, False), (7, 5, False), (8, 0, True),
                                                   (9, 0, True)],
@@ -262,3 +300,16 @@ def test_gpu_check_runs_on_a_cpu(tmp_path, letter_model, monkeypatch):
                            "--parts", "sampler", "--out", str(report)]) == 1
     text = report.read_text()
     assert "| sampler | FAIL |" in text and str(tmp_path / "none") in text
+
+
+def test_logprob_dtype_auto_is_the_rules_pick_on_cuda_and_fp32_on_a_cpu(monkeypatch):
+    """--logprob-dtype auto: fp32 on a CPU whatever the rule picks for CUDA (docs/precision.md), the
+    pick on CUDA; a dtype named outright is that dtype everywhere."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert runtime.logprob_dtype("auto", cpu) == torch.float32
+    assert runtime.logprob_dtype("auto", cuda) == getattr(torch, runtime.CUDA_LOGPROB_DTYPE)
+    monkeypatch.setattr(runtime, "CUDA_LOGPROB_DTYPE", "bfloat16")  # had the rule picked bf16
+    assert runtime.logprob_dtype("auto", cuda) == torch.bfloat16
+    assert runtime.logprob_dtype("auto", cpu) == torch.float32
+    assert runtime.logprob_dtype("float32", cuda) == torch.float32
+    assert runtime.logprob_dtype("bfloat16", cpu) == torch.bfloat16

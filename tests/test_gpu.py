@@ -6,9 +6,10 @@ On a CPU they skip with the reason. They check the CUDA-only branches the CPU su
 through stand-ins (test_cuda_paths.py): the rule that picks flash and bf16 on this GPU (and, on a
 pre-Ampere GPU with flash-attn installed, that its kernel does refuse it); the sampler's
 flash_attn_with_kvcache path against its SDPA path on the same cache; greedy generation with each,
-token by token against the model's own forward pass; a bf16 training step of train.py on CUDA
-(NCCL is not needed: one process); and an --async-lag queue saved from CUDA onto the CPU and
-resumed.
+token by token against the model's own forward pass; the fixed-shape loop replayed as a CUDA graph
+against its eager steps, and under torch.cuda.set_sync_debug_mode("error"); a bf16 training step
+of train.py on CUDA (NCCL is not needed: one process); and an --async-lag queue saved from CUDA onto
+the CPU and resumed.
 """
 import json
 import os
@@ -90,6 +91,50 @@ def test_greedy_generate_follows_the_model(monkeypatch, flash):
                            eos_token_id=eos_for_mixed_lengths(free))
     assert_greedy_up_to_ties(model, PROMPTS, out, **BF16)
     assert len({len(row) for row in out.response_ids}) >= 2, "the test needs rows that stop"
+
+
+@pytest.mark.parametrize("flash", [True, False], ids=["flash", "sdpa"])
+def test_graphed_fixed_shape_loop_equals_eager(monkeypatch, flash):
+    """generate(static=True), CUDA's default, in bf16 with EOS at mixed lengths, greedy and
+    sampled: replaying the captured CUDA graph gives the eager fixed-shape step's tokens and
+    log-probs (the same kernels on the same tensors), greedy tokens follow the model's own forward
+    pass up to bf16 ties, and the rows end where the compaction loop's do."""
+    if flash and not FLASH[0]:
+        pytest.skip(FLASH[1])
+    if not flash:
+        monkeypatch.setattr(rollout, "flash_choice", lambda device, dtype: (False, "SDPA"))
+    model = lively(tiny_model("qwen3")).cuda().bfloat16()
+    free = rollout.generate(model, PROMPTS, 24, temperature=0, static=False).response_ids
+    eos = eos_for_mixed_lengths(free)
+    for temperature in (0.0, 1.0):
+        out = {graphs: rollout.generate(model, PROMPTS, 24, temperature=temperature,
+                                        eos_token_id=eos, static=True, cuda_graphs=graphs,
+                                        generator=torch.Generator("cuda").manual_seed(0))
+               for graphs in (True, False)}
+        assert out[True].response_ids == out[False].response_ids
+        torch.testing.assert_close(out[True].token_logprobs, out[False].token_logprobs,
+                                   atol=1e-6, rtol=0)
+    greedy = rollout.generate(model, PROMPTS, 24, temperature=0, eos_token_id=eos, static=True)
+    assert_greedy_up_to_ties(model, PROMPTS, greedy, **BF16)
+    assert len({len(row) for row in greedy.response_ids}) >= 2, "the test needs rows that stop"
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphed", "eager"])
+def test_the_fixed_shape_loop_never_syncs(graphs):
+    """The fixed-shape loop with EOS off (no "all done?" to ask), sampled with top-p, under
+    torch.cuda.set_sync_debug_mode("error"): any synchronizing CUDA operation in it raises."""
+    model = lively(tiny_model("llama3")).cuda().bfloat16()
+    cache, logits, row_of_slot = rollout.prefilled(model, PROMPTS, 20)
+    uniforms = torch.rand(len(PROMPTS), 20, device="cuda", dtype=torch.float64)
+    state = rollout.new_decoding(uniforms, torch.tensor([], dtype=torch.long, device="cuda"),
+                                 1.0, 0.8)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rollout.static_decode(model, cache, logits, state, cuda_graphs=graphs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert int(state.step) == 20 and state.lengths.eq(20).all()
 
 
 def test_bf16_train_step_on_cuda(tmp_path, letter_model):

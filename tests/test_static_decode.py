@@ -1,0 +1,292 @@
+"""rollout.py's fixed-shape decode loop (`generate(static=True)`, the default on CUDA), checked on a
+CPU with tiny random Llama, Qwen2 and Qwen3 models in fp32 (test_rollout.py's):
+
+- the same samples as the compaction loop (today's sampler, the CPU default), as Hugging Face's
+  greedy generate, and log-probs equal to the model's own full forward pass, with EOS ending rows
+  at mixed lengths, at temperature 0 and 1, top-p 1 and 0.8; a row's sample depends on the seed and
+  its row index only;
+- what lets a GPU replay the step as a CUDA graph: no host sync inside a step, and one "all done?"
+  per rollout.ALL_DONE_EVERY steps over a whole generate (counted with a TorchDispatchMode); the
+  cache's and the step's tensors keep their addresses; torch.compile(fullgraph=True) traces the
+  step without a graph break (backend "eager": it only traces);
+- the step's aten ops no more than Hugging Face generate's per step.
+The flash branch of the loop runs in test_cuda_paths.py (the stand-in), the graphs in test_gpu.py,
+the benchmark's CPU run in test_bench_decode below.
+"""
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import rollout
+from test_rollout import (FAMILIES, PROMPTS, VOCAB, eos_for_mixed_lengths, hf_greedy, lively,
+                          nucleus_logprobs, reference_logprobs, tiny_model)
+
+ROOT = Path(__file__).resolve().parents[1]
+# 7 rows of 1-19 prompt tokens, one prompt twice: more rows than rollout.BUCKETS
+MIXED = PROMPTS + [[9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [60, 61]]
+# two fp32 logits this close are a tie: rounding may break it either way (classroom E7's rule)
+TIE = 1e-4
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class AtenOps(TorchDispatchMode):
+    """Counts the aten ops run inside it. `ops`: those that are not views (each a dispatch, most a
+    kernel launch on a GPU: issue 34's count). `syncs`: those that make the host wait for the
+    device: a scalar read (.item(), int(t), bool(t), `if t.any()`: _local_scalar_dense,
+    is_nonzero), nonzero, masked_select, and indexing with a boolean mask (index, index_put with a
+    bool index: the result's size is the mask's count)."""
+    SYNCS = {"_local_scalar_dense", "is_nonzero", "item", "nonzero", "masked_select", "equal"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.syncs = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.ops += not func.is_view
+        masked = (name in ("index", "index_put", "index_put_", "_index_put_impl_")
+                  and any(i is not None and i.dtype == torch.bool for i in args[1]))
+        if name in self.SYNCS or masked:
+            self.syncs.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@torch.no_grad()
+def started(model, prompts, max_new_tokens, eos, temperature=1.0, top_p=1.0, seed=0):
+    """generate's fixed-shape loop up to its first step: the prefilled cache and the state after
+    token 0. Returns (cache, state, span), span = every slot of the cache (a valid SDPA span)."""
+    cache, logits, row_of_slot = rollout.prefilled(model, prompts, max_new_tokens)
+    generator = torch.Generator().manual_seed(seed)
+    uniforms = torch.rand(len(prompts), max_new_tokens, generator=generator, dtype=torch.float64)
+    state = rollout.new_decoding(uniforms[row_of_slot], torch.tensor(eos, dtype=torch.long),
+                                 temperature, top_p)
+    rollout.take(logits, state)
+    return cache, state, cache.k.shape[2]
+
+
+def tensors(cache, state):
+    """The addresses of every tensor the step reads or writes."""
+    fields = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
+    named = {"cache.k": cache.k, "cache.v": cache.v, "cache.seqlens": cache.seqlens, **fields}
+    return {name: t.data_ptr() for name, t in named.items() if isinstance(t, torch.Tensor)}
+
+
+# ---------------------------------------------------------------- the same samples
+def assert_differs_at_a_tie(model, prompt, ours, theirs, temperature, top_p, uniforms):
+    """Two token rows of one prompt drawn with the same uniforms agree, or first differ where the
+    model's own full forward pass puts them at a tie: greedy, two logits within TIE; sampled, the
+    row's uniform within TIE of the boundary between the two tokens in the CDF."""
+    if ours == theirs:
+        return
+    t = next((t for t, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    assert t is not None, f"same tokens, another length: {ours} against {theirs}"
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ours[:t]])).logits[0, -1].double()
+    if temperature == 0:
+        assert abs(logits[ours[t]] - logits[theirs[t]]) < TIE, (t, ours, theirs)
+        return
+    probs = torch.softmax(logits / temperature, -1)
+    if top_p < 1:
+        probs = nucleus_logprobs(probs.log()[None], top_p)[0].exp()
+    cdf = probs.cumsum(0)
+    boundary = cdf[min(ours[t], theirs[t])]
+    assert abs(uniforms[t] - boundary) < TIE, (t, ours, theirs)
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (1.0, 1.0), (1.0, 0.8)],
+                         ids=["greedy", "T1", "T1-top-p0.8"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_same_samples_as_compaction(family, temperature, top_p):
+    """Both loops from the same seed, EOS ending rows at 3 or more lengths: every row of the
+    fixed-shape loop equals the compaction loop's (or first differs at a tie), greedy rows equal
+    Hugging Face's generate, and every log-prob equals the full forward pass's (1e-4, as
+    test_rollout.py's) and the compaction loop's."""
+    model = lively(tiny_model(family))
+
+    def run(static, eos_token_id):
+        return rollout.generate(model, MIXED, 16, temperature, top_p, eos_token_id=eos_token_id,
+                                generator=torch.Generator().manual_seed(0), static=static)
+    eos = eos_for_mixed_lengths(run(False, None).response_ids)
+    out = {static: run(static, eos) for static in (False, True)}
+    uniforms = torch.rand(len(MIXED), 16, generator=torch.Generator().manual_seed(0),
+                          dtype=torch.float64)  # generate's own draw
+    assert len({len(row) for row in out[True].response_ids}) >= 3, "the test needs 3 lengths"
+    for row, prompt in enumerate(MIXED):
+        ours, today = out[True].response_ids[row], out[False].response_ids[row]
+        assert_differs_at_a_tie(model, prompt, ours, today, temperature, top_p, uniforms[row])
+        if temperature == 0:
+            hf = hf_greedy(model, prompt, 16, eos_token_id=eos)
+            assert_differs_at_a_tie(model, prompt, ours, hf, 0, 1, None)
+        logp, response = reference_logprobs(model, prompt, ours, temperature or 1.0)
+        if top_p < 1:
+            logp = nucleus_logprobs(logp, top_p)
+        expected = (logp.gather(-1, response[:, None])[:, 0] if temperature
+                    else torch.zeros(len(ours)))
+        torch.testing.assert_close(torch.tensor(out[True].logprobs[row]), expected, atol=1e-4,
+                                   rtol=0)
+        if ours == today:
+            assert out[True].logprobs[row] == pytest.approx(out[False].logprobs[row], abs=1e-4)
+    for name in ("tokens", "token_logprobs", "response_mask"):  # padding after each row's end
+        assert getattr(out[True], name).shape == getattr(out[False], name).shape
+    assert torch.equal(out[True].response_mask, out[False].response_mask)
+
+
+def test_a_row_depends_on_the_seed_and_its_index_only():
+    """The fixed-shape loop, sampled: a row of a batch equals the same prompt run alone with the
+    same seed; with EOS on, each row is its EOS-free sample cut after the first EOS, however the
+    other rows finish (finished rows stay in the batch and keep drawing)."""
+    model = tiny_model("qwen2")
+
+    def run(prompts, eos_token_id=None):
+        return rollout.generate(model, prompts, 14, temperature=1.0, eos_token_id=eos_token_id,
+                                generator=torch.Generator().manual_seed(3), static=True)
+    assert run(PROMPTS[1:]).response_ids[0] == run(PROMPTS[1:2]).response_ids[0]
+    free = run(PROMPTS * 3)
+    eos = sorted(range(VOCAB), key=lambda t: -sum(t in row for row in free.response_ids))[:2]
+    out = run(PROMPTS * 3, eos)
+    stopped = 0
+    for row, response in enumerate(free.response_ids):
+        cut = next((i + 1 for i, token in enumerate(response) if token in eos), len(response))
+        stopped += cut < 14
+        assert out.response_ids[row] == response[:cut]
+        assert out.logprobs[row] == pytest.approx(free.logprobs[row][:cut], abs=1e-5)
+        assert not out.tokens[row, cut:].any() and not out.token_logprobs[row, cut:].any()
+    assert stopped >= 4, "the test needs rows that stop early"
+
+
+# ---------------------------------------------------------------- what a CUDA graph needs
+def test_the_counter_sees_each_kind_of_sync():
+    """AtenOps itself: it counts a scalar read, an `if` on a tensor, nonzero and boolean-mask
+    indexing (read and write), and not integer indexing."""
+    x = torch.tensor([0, 3, 0, 5])
+    reads = [lambda: x.sum().item(), lambda: int(x.max()), lambda: bool(x.any()),
+             lambda: x.nonzero(), lambda: x[x > 0], lambda: x.clone().__setitem__(x > 0, 1)]
+    for read in reads:
+        with AtenOps() as ops:
+            read()
+        assert ops.syncs, read
+    with AtenOps() as ops:
+        x[torch.tensor([1, 3])] = x.cumsum(0)[torch.tensor([0, 1])]
+    assert not ops.syncs and ops.ops > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_step_never_waits_for_the_host(family):
+    """No sync inside the fixed-shape step, sampled with top-p and EOS on (the most ops), rows
+    finishing on the way."""
+    model = lively(tiny_model(family))
+    cache, state, span = started(model, MIXED, 10, eos=[3, 4, 5], top_p=0.8)
+    for _ in range(9):
+        with AtenOps() as ops:
+            rollout.static_step(model, cache, state, span)
+        assert ops.syncs == []
+
+
+def test_generate_asks_the_host_once_every_k_steps():
+    """Over a whole generate(static=True) with EOS on, the decode loop adds at most one sync per
+    rollout.ALL_DONE_EVERY steps to what the prefill and the result's width take (a generate of
+    one token: no decode step)."""
+    model = tiny_model("llama3")
+
+    def syncs(max_new_tokens):
+        with AtenOps() as ops:
+            rollout.generate(model, MIXED, max_new_tokens, eos_token_id=[VOCAB - 1], static=True,
+                             generator=torch.Generator().manual_seed(0))
+        return len(ops.syncs)
+    k, base = rollout.ALL_DONE_EVERY, syncs(1)
+    for steps in (k, 3 * k + 2):
+        assert syncs(steps) - base <= math.ceil((steps - 1) / k), steps
+
+
+def test_the_step_writes_in_place():
+    """The cache's and the step's tensors keep their addresses from step to step, also when rows
+    finish (they stay in the batch): what lets one captured CUDA graph replay every step."""
+    model = lively(tiny_model("llama3"))
+    free = [hf_greedy(model, prompt, 12) for prompt in MIXED]
+    cache, state, span = started(model, MIXED, 12, eos=[eos_for_mixed_lengths(free)],
+                                 temperature=0.0)
+    before = tensors(cache, state)
+    for _ in range(11):
+        rollout.static_step(model, cache, state, span)
+        assert tensors(cache, state) == before
+    assert state.done.any() and not state.done.all(), "the test needs rows that finish"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_step_traces_as_one_graph(family):
+    """torch.compile(fullgraph=True) raises at the first graph break; backend "eager" only traces
+    (seconds on a CPU). The traced step gives the eager step's tokens and log-probs."""
+    model = tiny_model(family)
+    torch._dynamo.reset()
+    step = torch.compile(rollout.static_step, fullgraph=True, backend="eager")
+    eager, traced = (started(model, MIXED, 5, eos=[3], top_p=0.8) for _ in range(2))
+    for _ in range(4):
+        rollout.static_step(model, *eager)
+        step(model, *traced)
+    assert torch.equal(eager[1].tokens_out, traced[1].tokens_out)
+    torch.testing.assert_close(eager[1].logprobs_out, traced[1].logprobs_out)
+
+
+def smollm2_layout():
+    """A random model of SmolLM2-135M's layout (30 layers, 9 heads on 3 key/value heads, tied
+    head) at a width of 72: an op count does not depend on the width."""
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=72, intermediate_size=96,
+                                        num_hidden_layers=30, num_attention_heads=9,
+                                        num_key_value_heads=3, tie_word_embeddings=True)).eval()
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (1.0, 0.8)], ids=["greedy", "top-p"])
+@pytest.mark.parametrize("family", FAMILIES + ["smollm2-layout"])
+def test_a_step_runs_no_more_ops_than_hf_generate(family, temperature, top_p):
+    """Aten ops that are not views, per decode step: ours (one fixed-shape step) against Hugging
+    Face's generate on the same model and rows (its per step: the ops of 6 new tokens minus those
+    of 4, over 2), sampling alike (EOS on, top_k off). Seen on SmolLM2's layout: ours 1,149 greedy,
+    1,164 at top-p 0.8; Hugging Face's 1,323 and 1,344."""
+    model = smollm2_layout() if family == "smollm2-layout" else tiny_model(family)
+    prompts = [[5, 6, 7, 8 + row] for row in range(4)]
+    cache, state, span = started(model, prompts, 8, eos=[VOCAB - 1], temperature=temperature,
+                                 top_p=top_p)
+    with AtenOps() as ours:
+        rollout.static_step(model, cache, state, span)
+    ids = torch.tensor(prompts)
+
+    def hf(new):
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+        with AtenOps() as ops:
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                           eos_token_id=VOCAB - 1, pad_token_id=0,
+                           **(sampling if temperature else dict(do_sample=False)))
+        return ops.ops
+    theirs = (hf(6) - hf(4)) / 2
+    assert ours.ops <= theirs, (ours.ops, theirs)
+
+
+# ---------------------------------------------------------------- the benchmark, on a CPU
+def test_bench_decode_runs_on_a_cpu(tmp_path):
+    """`python -m lab.bench_rollout --decode --allow-cpu` at its tiny CPU shapes: every part in the
+    JSON, each sampler's step time and HBM-floor fraction, the greedy EOS-on rates, and the sync
+    check (on a CPU: the dispatch counter's)."""
+    out = tmp_path / "decode.json"
+    command = ["--decode", "--allow-cpu", "--out", str(out), "--threads", "1", "--steps", "2", "4",
+               "--repeats", "1", "--eos-tokens", "8"]
+    result = subprocess.run([sys.executable, "-m", "lab.bench_rollout", *command], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    steps = report["step_ms"]
+    assert {row["sampler"] for row in steps} >= {"ours eager", "ours compaction", "hf eager"}
+    for row in steps:
+        assert row["ms"] > 0 and 0 < row["floor_fraction"] and row["floor_ms"] > 0, row
+    assert {row["sampler"] for row in report["eos_on"]} >= {"ours eager", "hf eager"}
+    assert all(row["useful_tokens_per_s"] > 0 for row in report["eos_on"])
+    assert report["syncs"]["ok"], report["syncs"]
+    assert "floor" in result.stdout

@@ -222,57 +222,74 @@ def prompt_batch(examples, start, count, seed):
     return [examples[orders[p // n][p % n]] for p in positions]
 
 
+def pack_layout(prompts, response_mask):
+    """How token_logprobs packs the rows: (packs, P, L, pack_of_row, kept_column). Runs of rows with
+    the same prompt (an RLOO group is contiguous) share a pack, a list of (row, offset, length):
+    the prompt once, left-padded to the width P, then each response in its own `length` columns
+    (up to its last response token: padding takes no column) at P + offset. L is the longest
+    pack. The logits kept start at column P - 1 (the prompt's last, which predicts every
+    response's token 0); kept_column (B, T) is the kept index that predicts token t of each row
+    (0 past its length, where the mask is 0)."""
+    B, T = response_mask.shape
+    t = torch.arange(1, T + 1)
+    # each row's length: up to its last response token
+    lengths = torch.where(response_mask.detach().cpu() != 0, t, 0).max(1).values.tolist()
+    packs = []  # (prompt, [(row, offset, length), ...])
+    for row, prompt in enumerate(prompts):
+        if not packs or packs[-1][0] != prompt:
+            packs.append((prompt, []))
+        members = packs[-1][1]
+        offset = members[-1][1] + members[-1][2] if members else 0
+        members.append((row, offset, lengths[row]))
+    P = max(len(prompt) for prompt, _ in packs)
+    L = P + max(offset + length for _, members in packs for _, offset, length in members[-1:])
+    pack_of_row, kept_column = torch.zeros(B, dtype=torch.long), torch.zeros(B, T, dtype=torch.long)
+    for j, (_, members) in enumerate(packs):
+        for row, offset, length in members:
+            pack_of_row[row] = j
+            # token t >= 1 is predicted by column P + offset + t - 1: kept index offset + t
+            kept_column[row, 1:length] = offset + torch.arange(1, length)
+    return packs, P, L, pack_of_row, kept_column
+
+
 def token_logprobs(model, prompts, responses, response_mask, temperature, dtype, entropy=False):
     """log pi(y_t | x, y<t) of each response token, (B, T) in fp32, and with entropy=True the
     entropy of pi there (detached; else None: the gradient pass skips its two (B, T, vocab)
     temporaries).
 
-    Rows with the same prompt (an RLOO group is contiguous) are packed into one sequence: the prompt
-    once, then each of its responses, every response attending to the prompt and to its own earlier
-    tokens only (a block attention mask, position ids restarting after the prompt). Each token sees
-    exactly what it would see in its own sequence, but the prompt is computed once per group instead
-    of G times. Prompts are left-padded, so every pack's first response starts at column P and only
-    the last width * T + 1 columns reach the output layer.
+    Rows with the same prompt (an RLOO group is contiguous) are packed into one sequence
+    (pack_layout): the prompt once, then each of its responses in its own length, every response
+    attending to the prompt and to its own earlier tokens only (a block attention mask, position
+    ids restarting after the prompt). Each token sees exactly what it would see in its own
+    sequence, but the prompt is computed once per group instead of G times, and padding after a
+    response's end is not computed at all. Prompts are left-padded, so the responses start at
+    column P and only the columns from P - 1 on reach the output layer.
     """
     runtime.return_freed_memory()  # the last pass's temporaries: only live tensors stay resident
-    B, T = responses.shape
-    packs = []  # (prompt, rows): runs of consecutive rows with the same prompt
-    for row, prompt in enumerate(prompts):
-        if packs and packs[-1][0] == prompt:
-            packs[-1][1].append(row)
-        else:
-            packs.append((prompt, [row]))
-    # P: prompt width (left-padded), width: most responses in one pack, L: a pack's length
-    P, width = max(len(prompt) for prompt, _ in packs), max(len(rows) for _, rows in packs)
-    L, device = P + width * T, responses.device
+    packs, P, L, pack_of_row, kept_column = pack_layout(prompts, response_mask)
+    device = responses.device
     input_ids = torch.zeros(len(packs), L, dtype=torch.long, device=device)
     position_ids = torch.zeros_like(input_ids)
     # allowed[j, query, key]: padding sees itself only
     allowed = torch.eye(L, dtype=torch.bool, device=device).repeat(len(packs), 1, 1)
-    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    pack_of_row, slot_of_row = torch.zeros(B, dtype=torch.long), torch.zeros(B, dtype=torch.long)
-    for j, (prompt, rows) in enumerate(packs):
+    for j, (prompt, members) in enumerate(packs):
         start, n = P - len(prompt), len(prompt)
         input_ids[j, start:P] = torch.tensor(prompt)
         position_ids[j, start:P] = torch.arange(n)
         allowed[j, start:P, start:P] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-        for k, row in enumerate(rows):
-            columns = slice(P + k * T, P + (k + 1) * T)
-            input_ids[j, columns] = responses[row]
-            position_ids[j, columns] = torch.arange(n, n + T)
+        for row, offset, length in members:
+            columns = slice(P + offset, P + offset + length)
+            input_ids[j, columns] = responses[row, :length]
+            position_ids[j, columns] = torch.arange(n, n + length)
             allowed[j, columns, start:P] = True
-            allowed[j, columns, columns] = causal
-            pack_of_row[row], slot_of_row[row] = j, k
+            allowed[j, columns, columns] = torch.ones(length, length, dtype=torch.bool,
+                                                      device=device).tril()
     # no cast cache: each weight is used once per forward, and a cache would hold a bf16 copy of all
     # of them (0.25 GiB) through the pass
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32,
                         cache_enabled=False):
-        # kept column 0 (the prompt's last) predicts each response's token 0, k*T + t its token t
         logits = model(input_ids=input_ids, attention_mask=allowed.unsqueeze(1),
-                       position_ids=position_ids, use_cache=False,
-                       logits_to_keep=width * T + 1).logits
-    t = torch.arange(T)
-    kept_column = torch.where(t > 0, slot_of_row[:, None] * T + t, 0)  # (B, T): predicts token t
+                       position_ids=position_ids, use_cache=False, logits_to_keep=L - P + 1).logits
     logits = logits[pack_of_row[:, None].to(device), kept_column.to(device)]  # (B, T, vocab)
     logits = logits.float() if temperature == 1 else logits.float() / temperature  # no copy at 1
     logp_all = logits.log_softmax(-1)
@@ -375,7 +392,8 @@ def update(args, policy, optimizer, batch, minibatch, first):
     whether the step was taken: a non-finite loss or gradient skips it)."""
     device = batch.tokens.device
     world_size = dist.get_world_size() if dist.is_initialized() else 1
-    dtype, logprob_dtype = getattr(torch, args.dtype), getattr(torch, args.logprob_dtype)
+    dtype = getattr(torch, args.dtype)
+    logprob_dtype = runtime.logprob_dtype(args.logprob_dtype, device)
     mask = batch.mask
     self_normalized = args.place == "weighted" and args.is_weight == "self-normalized"
     # the minibatch's log-probs in --logprob-dtype under the current weights: policy_logp until the

@@ -208,19 +208,9 @@ def vocab_logprobs(model, prompts, tokens, mask):
         logp, _ = train.token_logprobs(model, prompts, tokens, mask, 1.0, torch.float32)
     finally:
         hook.remove()
-    pack, slot = [], []  # token_logprobs packs runs of rows with the same prompt
-    for row, prompt in enumerate(prompts):
-        if row and prompt == prompts[row - 1]:
-            pack.append(pack[-1])
-            slot.append(slot[-1] + 1)
-        else:
-            pack.append(pack[-1] + 1 if pack else 0)
-            slot.append(0)
-    T = tokens.shape[1]
-    t = torch.arange(T)
-    column = torch.where(t > 0, torch.tensor(slot)[:, None] * T + t, 0)  # predicts token t
+    _, _, _, pack, column = train.pack_layout(prompts, mask)  # the kept column of token t
     device = kept[0].device
-    logp_all = kept[0][torch.tensor(pack, device=device)[:, None], column.to(device)]
+    logp_all = kept[0][pack.to(device)[:, None], column.to(device)]
     logp_all = logp_all.float().log_softmax(-1)
     picked = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) * mask
     if not torch.allclose(picked, logp, atol=1e-5):

@@ -24,13 +24,14 @@ The exact variant:
     host; the host asks "all done?" once every ALL_DONE_EVERY steps. On CUDA the step is captured
     once as a CUDA graph and replayed (`capture`; `cuda_graphs=False` runs it eagerly, to debug).
   Both loops draw the same tokens from the same uniforms: they differ only in float rounding.
-- Sampling: temperature T scales the logits; top-p keeps the smallest set of most likely tokens
-  whose mass reaches p (the token that crosses p included: Hugging Face's TopPLogitsWarper rule) and
-  renormalizes. The returned log-prob of each token is under exactly that distribution,
-  log softmax(z / T) renormalized over the nucleus: log pi_theta_old(o_t | x, o_<t) of eq. (4).
-  temperature=0 is greedy, a point mass, so its log-probs are 0 (= log 1). Tokens are drawn by
-  inverse CDF with one uniform per (row, step) taken from `generator` up front, so a row's sample
-  depends on the seed and its row index only, not on when the other rows finish.
+- Sampling: the temperature tau scales the logits (T is the response length, as in the paper);
+  top-p keeps the smallest set of most likely tokens whose mass reaches p (the token that crosses
+  p included: Hugging Face's TopPLogitsWarper rule) and renormalizes. The returned log-prob of
+  each token is under exactly that distribution, log softmax(z / tau) renormalized over the
+  nucleus: log pi_theta_old(o_t | x, o_<t) of eq. (4). temperature=0 is greedy, a point mass, so
+  its log-probs are 0 (= log 1). Tokens are drawn by inverse CDF with one uniform per (row, step)
+  taken from `generator` up front, so a row's sample depends on the seed and its row index only,
+  not on when the other rows finish.
 - Attention: `flash_attn_with_kvcache` where `flash_choice(device, dtype)` says so (CUDA, fp16 or
   bf16, compute capability 8.0 or higher, flash-attn importable): it reads each row's own
   `cache_seqlens` slots, with no host sync, so it serves both loops as it is. PyTorch's
@@ -40,8 +41,8 @@ The exact variant:
   all rows the longest row's rounded up to SPAN_BUCKET, known on the host without asking the
   device (every row grows one slot a step), so one graph serves SPAN_BUCKET steps. train.py and
   eval.py print flash_choice's reason, so what they say is what runs. The flash branch is tested on
-  a CPU against a pure-PyTorch stand-in of the kernel (test_cuda_paths.py), on a GPU by test_gpu.py
-  and gpu_check.py.
+  a CPU against a pure-PyTorch stand-in of the kernel (tests/test_cuda_paths.py), on a GPU by
+  tests/test_gpu.py and lab/gpu_check.py.
 """
 import functools
 import importlib.util

@@ -70,7 +70,7 @@ def references(m):
         closed_form=(pi[:, None] * score * log_ratio[:, None]).sum(0),  # eqs. 21-22
         # eq. 19: E[sum_t r_t grad log pi(y)]
         eq19=(pi[:, None] * score * r.sum(1, keepdim=True)).sum(0),
-        # eq. 41: sum_t E_{y<t}[grad KL(pi_ref(.|y<t) || pi(.|y<t))],
+        # eq. 41 (the second of paper.md's two lines (41)): sum_t E_{y<t}[grad KL(pi_ref || pi)],
         # with d/dz KL(Bern(q) || Bern(p)) = p - q
         eq41=(pi[:, None] * per_param(p - q).sum(1)).sum(0),
         # token-level reverse KL, prefix frozen: d/dz KL(Bern(p) || Bern(q)) = p (1 - p) (z - z_ref)

@@ -363,6 +363,10 @@ def reuse_problem(source, flags, setting):
     config = json.loads((source / "config.json").read_text())
     wanted = vars(train.parser.parse_args(render(flags)))
     then = {key: config.get(key, train.parser.get_default(key)) for key in wanted}
+    device = train.torch.device("cuda" if train.torch.cuda.is_available() else "cpu")
+    for run in (wanted, then):  # --logprob-dtype auto, as train.main resolves it here
+        resolved = train.runtime.logprob_dtype(run["logprob_dtype"], device)
+        run["logprob_dtype"] = str(resolved).removeprefix("torch.")
     differ = [f"--{key.replace('_', '-')} {then[key]} (plan: {value})"
               for key, value in wanted.items()
               if key not in REUSE_IGNORED | {"dtype"} and then[key] != value]

@@ -74,6 +74,7 @@ import torch  # noqa: E402  (after argparse so --help is instant)
 import data  # noqa: E402
 from model import load_model, load_tokenizer  # noqa: E402
 from rollout import flash_choice, generate  # noqa: E402
+from lab.bench_train import SHAPES as QWEN_SHAPES  # noqa: E402
 
 if args.threads:
     torch.set_num_threads(args.threads)
@@ -221,12 +222,9 @@ SHAPES = {  # the paper's models' shapes (their config.json); random weights: sp
     "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536,
                          num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                          vocab_size=49152, tie_word_embeddings=True),
-    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960,
-                         num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                         vocab_size=151936, tie_word_embeddings=True),
-    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944,
-                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                       vocab_size=152064, tie_word_embeddings=False),
+    # Qwen2.5's, kept once in lab/bench_train.py
+    "qwen2.5-1.5b": dict(model_type="qwen2", **QWEN_SHAPES["1.5B"]),
+    "qwen2.5-7b": dict(model_type="qwen2", **QWEN_SHAPES["7B"]),
     "tiny": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
                  tie_word_embeddings=True),

@@ -6,7 +6,7 @@ cases of S and writes /autograder/results/results.json. Inside: setup.sh, run_au
 project files), requirements.txt and assignment.json (exercises, seed). run_autograder makes the
 grader unreadable to others and runs submitted code as `nobody`. AUTOGRADER_ROOT (default
 /autograder) moves the tree, PYTHON picks the interpreter and CLASSROOM_CHILD_USER the child's user
-(empty: the grader's own), so the zip can be tried on any machine (test_classroom.py does)."""
+(empty: the grader's own), so the zip can be tried on any machine (tests/test_classroom.py does)."""
 import json
 import pathlib
 import shutil

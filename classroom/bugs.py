@@ -1,5 +1,5 @@
 """Known-bug variants of each exercise, the mistakes students make: each must lose points
-(test_classroom.py grades them). A bug is one edit of the solution: (exercise, name, file, the
+(tests/test_classroom.py grades them). A bug is one edit of the solution: (exercise, name, file, the
 solution's text, the buggy text); the solution's text must occur exactly once in the file, so a bug
 that no longer matches the solution fails loudly instead of testing stale code."""
 

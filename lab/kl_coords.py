@@ -29,7 +29,7 @@ train.token_logprobs (one pack per group; many with --batch-groups):
   Embedding y_l = E[id_l]         dE_vj = sum_{l: id_l = v} d_lj  (0 at padding_idx, as autograd)
   RMSNorm y = w * xhat            dw_j = sum_l d_lj xhat_lj,  xhat = x / sqrt(mean(x^2) + eps)
 A weight owned by two modules (the tied embedding and output layer) gets both terms: one parameter,
-its gradient counted once (test_kl_gradients.py: against autograd's gradient of every parameter).
+its gradient counted once (tests/test_kl_gradients.py: against autograd's gradient of every parameter).
 """
 from contextlib import contextmanager
 

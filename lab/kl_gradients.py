@@ -23,7 +23,7 @@ pi_ref is the base model; pi the same after N steps of no-KL RLOO training on `a
    in p2, p3, and no pi_ref/pi tail in any (the ratio is summed over the vocabulary, not
    sampled). b_s, f's baseline, is the mean KL to go at position s of the group's other sequences
    that reach position s (0 if none): a function of the other sequences only, so f stays exactly
-   unbiased (test_kl_gradients.py enumerates every group of the toy model). `f_plain` is f
+   unbiased (tests/test_kl_gradients.py enumerates every group of the toy model). `f_plain` is f
    without it.
    Each sampled row is checked against its exact expectation (EXPECTED). Per prefix also:
    chi^2(q || p) = sum_v q_v^2 / p_v - 1, the exact variance of the ratio pi_ref/pi at that token
@@ -310,7 +310,7 @@ def truncated_coefficients(logp, ref_logp, mask, group_size, R, num_tokens=None)
     the trainer's functions with K3 counted on the sampled tokens of ratio pi_ref / pi <= R only
     (the KL's mask cut to them, the policy gradient's whole): no tail of large ratios (|1 - r| <= R,
     K3 <= max(R - 1 - log R, log pi/pi_ref)) (issue 36, item 2). Expectations: exact_coefficients'
-    p3_below_R and k3r_below_R (test_kl_gradients.py enumerates every group of the toy model)."""
+    p3_below_R and k3r_below_R (tests/test_kl_gradients.py enumerates every group of the toy model)."""
     num_tokens = group_size if num_tokens is None else num_tokens
     below = mask * (ref_logp - logp.detach() <= math.log(R)).to(mask.dtype)
     leaf = logp.detach().clone().requires_grad_()
@@ -355,7 +355,7 @@ def row_outputs(logp, logp_all, ref_logp, ref_all, mask, scores, group_size, tai
 
 def stack_rows(rows):
     """(..., len(ROWS) + len(tail rows), m) from {row: (..., m)}, ROWS then any tail rows, the
-    "both" rows as the sums they are (their coefficients are the sums: test_kl_gradients.py)."""
+    "both" rows as the sums they are (their coefficients are the sums: tests/test_kl_gradients.py)."""
     for name, parts in SUMS.items():
         rows[name] = rows[parts[0]] + rows[parts[1]]
     names = ROWS + [name for name in rows if name not in ROWS]

@@ -30,7 +30,7 @@ Intervals (95%).
   trCov^2 / trCov at a zero mean). A Wald interval (estimate +- z se) is too wide at a zero mean:
   the se then carries zeta_1's noise, which grows with U itself (98.5-100% coverage); the percentile
   bootstrap used before is 1.7x too wide there (Arcones and Gine 1992: resampling adds its own
-  degenerate term), a plain jackknife ~1.4x (Efron and Stein 1981). test_kl_gradients.py checks
+  degenerate term), a plain jackknife ~1.4x (Efron and Stein 1981). tests/test_kl_gradients.py checks
   90-99% coverage at a zero mean, heavy tails included (the bootstrap's failure there was measured
   when it was replaced, issue 27; no test keeps a bootstrap).
 - A ratio A / B of linear statistics (`ratio`): Fieller's, {r : (A - r B)^2 <= z^2 Var(A - r B)};
@@ -42,7 +42,7 @@ Intervals (95%).
 - Two views on the same units (`paired`: the last layer and the whole model, issue 36): the rows
   restricted to the layer's coordinates and to the rest's are rows of one moments() (disjoint
   coordinates: their cross inner products are 0, `dot`), so the model's cosine minus the layer's
-  gets the delta method on one covariance (`smooth`; 94-97% coverage in test_kl_gradients.py).
+  gets the delta method on one covariance (`smooth`; 94-97% coverage in tests/test_kl_gradients.py).
 
 Table 1's quantities (`summarize`, per view: each block alone, and the layer, the blocks
 reweighted; with --layers whole also every layer's attention, MLP, and the model). With
@@ -92,7 +92,7 @@ def key(a, b):
 def moments(grams, project=True):
     """{keys, n, est (2K,): U then D of each key, cov (2K, 2K), zeta1 (2K, 2K), zeta2 (K, K)} from
     `grams` {key(a, b): K (n, n)}; project=False leaves zeta_1, zeta_2 unprojected (cov is then the
-    exactly unbiased U U' - A4 and its analogues: test_kl_gradients.py)."""
+    exactly unbiased U U' - A4 and its analogues: tests/test_kl_gradients.py)."""
     keys = list(grams)
     n, K = next(iter(grams.values())).shape[0], len(keys)
     if n < 4:

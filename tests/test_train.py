@@ -127,7 +127,7 @@ def train(argv, patches=(), **setattrs):
     """train.main(ARGV) in this process (one thread, like a torchrun worker). Returns what the tests
     look at inside the run, recorded by wrapping two of train's helpers: the models (policy,
     sampler, reference) and the last step's no-grad log-prob passes (prompts, tokens, mask,
-    old_logp, ref_logp; exact_* for the pass of a later minibatch)."""
+    policy_logp, ref_logp; exact_* for the pass of a later minibatch)."""
     import runtime
     import train as trainer
 
@@ -143,7 +143,7 @@ def train(argv, patches=(), **setattrs):
         if model is not run["policy"]:
             run.update(reference=model, ref_logp=logp)
         elif len(prompts) >= len(run.get("prompts", ())):  # the step's first pass: the whole batch
-            run.update(prompts=prompts, tokens=tokens, mask=mask, old_logp=logp)
+            run.update(prompts=prompts, tokens=tokens, mask=mask, policy_logp=logp)
         else:  # a later minibatch's own pass
             run.update(exact_prompts=prompts, exact_tokens=tokens, exact_mask=mask, exact_logp=logp)
         return logp, entropy
@@ -511,7 +511,7 @@ def test_bf16_compute_keeps_kl_and_ratio_at_the_fp32_floor(tiny, tmp_path, logpr
         with torch.no_grad():
             exact[name] = token_logprobs(load_model(str(path), torch.float64), run["prompts"],
                                          run["tokens"], run["mask"], 1.0, torch.float32)[0]
-    error = max((run["old_logp"] - exact["policy"]).abs().max(),
+    error = max((run["policy_logp"] - exact["policy"]).abs().max(),
                 (run["ref_logp"] - exact["reference"]).abs().max())
     if floor is None:
         assert error > 1e-3, error  # the rounding the default removes (0.006 here)
@@ -541,7 +541,7 @@ def test_bf16_gradient_pass_takes_its_values_from_the_fp32_pass(tiny, tmp_path):
         expected = token_logprobs(run["policy"], run["exact_prompts"], run["exact_tokens"],
                                   run["exact_mask"], 1.0, torch.float32)[0]
     # the weights moved after minibatch 1
-    assert not torch.equal(run["exact_logp"], run["old_logp"][rows])
+    assert not torch.equal(run["exact_logp"], run["policy_logp"][rows])
     # the last minibatch's values are the fp32 log-probs of the weights it was computed with;
     # the policy has taken that minibatch's step since, so they differ from a pass now, but only
     # by that step
@@ -728,7 +728,7 @@ def test_the_ratio_is_against_the_policy_that_sampled(tiny, tmp_path, behaviour)
                       "--place", "weighted", "--behaviour", behaviour),
                 rollout__generate=shifted_generate, advantage__policy_loss=recording_policy_loss,
                 kl__off_policy_kl_loss=recording_weighted)
-    want = outs[0].token_logprobs if behaviour == "sampler" else run["old_logp"]
+    want = outs[0].token_logprobs if behaviour == "sampler" else run["policy_logp"]
     for key in ("ppo", "weighted"):
         assert torch.equal(torch.cat(seen[key]), want), key
     # the logged weights: log w = sum_t log pi/mu = 0.01 per token against the sampler

@@ -393,7 +393,7 @@ def eos_part(name, rows, max_new_tokens, dtype, report, write):
     runs = decode_samplers(model, name, prompts, eos=eos, temperature=0)  # no compile: budget
     failed = []
     warm(runs, max_new_tokens, max_new_tokens, failed)
-    useful = {}
+    useful, greedy = {}, {}
 
     def measure(sampler, fn, repeat):
         out = []
@@ -401,6 +401,7 @@ def eos_part(name, rows, max_new_tokens, dtype, report, write):
         result = out[0]
         if hasattr(result, "response_mask"):  # ours: a Rollout
             lengths = result.response_mask.sum(1).long().tolist()
+            greedy[sampler] = result.response_ids
         else:  # model.generate: the left-padded prompts, then the responses padded after EOS
             width = max(map(len, prompts))
             lengths = [next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
@@ -414,6 +415,12 @@ def eos_part(name, rows, max_new_tokens, dtype, report, write):
                            repeats=values))
         print(f"  {name:13s} batch {rows:4d} {sampler:18s} {median(values):9.1f} useful tok/s "
               f"({useful[sampler]} tokens)", flush=True)
+    if "ours graphed" in greedy and "ours eager" in greedy:  # the same kernels: the same tokens
+        same = sum(a == b for a, b in zip(greedy["ours graphed"], greedy["ours eager"]))
+        report.append(dict(model=name, batch=rows, check="greedy rows graphed == eager",
+                           rows_identical=same, rows=rows))
+        print(f"  {name:13s} batch {rows:4d} greedy: {same}/{rows} rows identical, graphed and "
+              "eager", flush=True)
     report += [dict(model=name, batch=rows, **row) for row in failed]
     write()
 
@@ -496,21 +503,27 @@ def decode_benchmark():
     order = list(dict.fromkeys([(models[0], batches[0]), (models[-1], batches[-1])]
                                + [(m, b) for m in models for b in batches]))
     first = 2 if len(order) > 1 else 1
-    plan = [("step", m, b) for m, b in order[:first]] + [("sync", models[0], batches[0]),
-                                                         ("eos", models[0], batches[0])]
-    plan += [("step", m, b) for m, b in order[first:]]
+    plan = [("step", m, b) for m, b in order[:first]] + [("eos", models[0], batches[0])]
+    # the sync check last: an error raised inside a graph capture can leave CUDA unusable
+    plan += [("step", m, b) for m, b in order[first:]] + [("sync", models[0], batches[0])]
     for part, name, rows in plan:
         if over_budget():
             report["skipped"].append(f"{part} {name} batch {rows}: over --budget")
             write()
             continue
-        if part == "step":
-            step_part(name, rows, n1, n2, prompt_len, dtype, bandwidth, report["step_ms"], write)
-        elif part == "sync":
-            report["syncs"] = sync_part(name, min(rows, 16), dtype)
-        else:
-            eos_part(name, rows, args.eos_tokens or (128 if cuda else 24), dtype,
-                     report["eos_on"], write)
+        try:
+            if part == "step":
+                step_part(name, rows, n1, n2, prompt_len, dtype, bandwidth, report["step_ms"],
+                          write)
+            elif part == "sync":
+                report["syncs"] = sync_part(name, min(rows, 16), dtype)
+            else:
+                eos_part(name, rows, args.eos_tokens or (128 if cuda else 24), dtype,
+                         report["eos_on"], write)
+        except Exception as error:  # noqa: BLE001 - one failed part must not lose the others
+            report.setdefault("failed", []).append(
+                f"{part} {name} batch {rows}: {type(error).__name__}: {error}".splitlines()[0])
+            print(f"  {part} {name} batch {rows} FAILED: {report['failed'][-1]}", flush=True)
         write()
     print(f"{time.perf_counter() - STARTED:.0f} s; report in {args.out}"
           + (f"; skipped: {report['skipped']}" if report["skipped"] else ""))

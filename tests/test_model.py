@@ -1,5 +1,5 @@
-"""Tests of model.py's stop ids: a response ends where the chat template ends a turn, whatever the
-EOS says.
+"""Tests of model.py: the embedded model made from its GGUF file on a machine with no cache, and the
+stop ids: a response ends where the chat template ends a turn, whatever the EOS says.
 
 Tokenizers are built offline from the embedded SmolLM2 tokenizer (special tokens <|endoftext|>,
 <|im_start|>, <|im_end|>, <file_sep>, ...) by changing its EOS and its chat template, and adding
@@ -194,3 +194,23 @@ def test_generation_stops_at_the_end_of_turn_not_at_eos(smollm2_tokenizer, chain
                                 chat_template=chat_template)
     assert [r["completion"] for r in records] == ["\\boxed B", "\\boxed B"]
     assert metrics["accuracy"] == 1.0
+
+
+def test_the_embedded_model_is_made_from_its_gguf_file(tmp_path, monkeypatch):
+    """A fresh machine has no cache: embedded_dir() dequantizes the GGUF file into $KL_CACHE (which
+    transformers does only with gguf and accelerate installed: requirements.txt lists both), and
+    the fresh copy equals the cached one tensor for tensor, config and tokenizer included."""
+    from safetensors.torch import load_file
+
+    import model
+
+    cached = model.embedded_dir()  # the default cache, made here first if this machine has none
+    monkeypatch.setenv("KL_CACHE", str(tmp_path))
+    fresh = model.embedded_dir()
+    assert fresh.parent == tmp_path and not list(tmp_path.glob(".staging-*"))
+    for name in ("config.json", "tokenizer.json", "generation_config.json"):
+        assert (fresh / name).read_text() == (cached / name).read_text(), name
+    expected, got = load_file(cached / "model.safetensors"), load_file(fresh / "model.safetensors")
+    assert expected.keys() == got.keys()
+    for name, tensor in expected.items():
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], tensor), name

@@ -1,0 +1,1 @@
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=/tmp/site; timeout 140 python3 -m lab.bench_rollout --decode --models qwen2.5-1.5b --batches 64 256 --budget 100 --hf-compiled --out $OUT/decode_1p5b.json 2>&1 | grep -v "Loading weights" | tee $OUT/decode_1p5b.log

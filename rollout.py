@@ -418,13 +418,15 @@ def prefilled(model, prompts, max_new_tokens):
 
 @torch.no_grad()
 def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_token_id=None,
-             generator=None, static=None, cuda_graphs=True):
+             generator=None, static=None, cuda_graphs=True, max_rows=None):
     """Sample one response per prompt (a list of token-id lists). `eos_token_id`: int, list or None
     (then exactly max_new_tokens tokens per row). `generator`: a torch.Generator on the model's
     device. `static`: decode with the fixed-shape loop (True) or by compaction (False); None picks
     the faster where the model is: fixed shape on CUDA, compaction on a CPU (docs/benchmarks.md).
     `cuda_graphs`: on CUDA, replay the fixed-shape step as a CUDA graph (False: eagerly, to
-    debug)."""
+    debug). `max_rows`: decode at most this many rows at a time (their KV cache is what takes the
+    memory: kv_bytes); every row still draws the uniforms of its own index, so the samples are
+    those of one call, up to float rounding."""
     check_model(model)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
@@ -432,43 +434,28 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_tok
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature} and {top_p}")
+    if max_rows is not None and max_rows < 1:
+        raise ValueError(f"max_rows must be None or >= 1, got {max_rows}")
     device = next(model.parameters()).device
     eos = ([] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int)
            else list(eos_token_id))
     eos = torch.tensor(eos, dtype=torch.long, device=device)
-    cache, logits, row_of_slot = prefilled(model, prompts, max_new_tokens)
-    num_rows, max_prompt = len(prompts), max(len(p) for p in prompts)
+    num_rows = len(prompts)
+    if static is None:  # the faster loop where the model is (docs/benchmarks.md)
+        static = device.type == "cuda"
 
     # One uniform per (row, step), drawn up front: a row's samples depend on the seed and its row
-    # index only, not on which other rows are still running.
+    # index only, not on which other rows are still running, nor on how the rows are chunked.
     uniforms = torch.rand(num_rows, max_new_tokens, generator=generator, device=device,
                           dtype=torch.float64)
     tokens_out = torch.zeros(num_rows, max_new_tokens, dtype=torch.long, device=device)
     logprobs_out = torch.zeros(num_rows, max_new_tokens, dtype=torch.float32, device=device)
     lengths = torch.full((num_rows,), max_new_tokens, device=device)
-    if static is None:  # the faster loop where the model is (docs/benchmarks.md)
-        static = device.type == "cuda"
-    if static:
-        state = new_decoding(uniforms[row_of_slot], eos, temperature, top_p)
-        static_decode(model, cache, logits, state, cuda_graphs)
-        # slot order -> row order
-        tokens_out[row_of_slot], logprobs_out[row_of_slot] = state.tokens_out, state.logprobs_out
-        lengths[row_of_slot] = state.lengths
-    else:
-        for step in range(max_new_tokens):
-            tokens, logprobs = sample(logits, temperature, top_p, uniforms[row_of_slot, step])
-            tokens_out[row_of_slot, step] = tokens
-            logprobs_out[row_of_slot, step] = logprobs
-            if step == max_new_tokens - 1:
-                break
-            done = torch.isin(tokens, eos)
-            if done.any():  # finished rows leave the batch
-                lengths[row_of_slot[done]] = step + 1
-                order = compact(cache, done, max_prompt + step + 1)
-                if len(order) == 0:
-                    break
-                tokens, row_of_slot = tokens[order], row_of_slot[order]
-            logits = decode(model, tokens, cache)
+    chunk = max_rows or num_rows
+    for start in range(0, num_rows, chunk):
+        rows = slice(start, start + chunk)  # views: decode_rows writes into the outputs
+        decode_rows(model, prompts[rows], uniforms[rows], eos, temperature, top_p, static,
+                    cuda_graphs, tokens_out[rows], logprobs_out[rows], lengths[rows])
 
     width = int(lengths.max())
     response_mask = (torch.arange(width, device=device) < lengths[:, None]).float()
@@ -477,3 +464,42 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_tok
         token_logprobs=logprobs_out[:, :width] * response_mask,
         response_mask=response_mask,
     )
+
+
+def decode_rows(model, prompts, uniforms, eos, temperature, top_p, static, cuda_graphs,
+                tokens_out, logprobs_out, lengths):
+    """Prefill `prompts` and decode them to the end with one of the two loops, writing each row's
+    tokens, log-probs and response length into the (rows, T) / (rows,) outputs, in row order."""
+    max_new_tokens = uniforms.shape[1]
+    cache, logits, row_of_slot = prefilled(model, prompts, max_new_tokens)
+    if static:
+        state = new_decoding(uniforms[row_of_slot], eos, temperature, top_p)
+        static_decode(model, cache, logits, state, cuda_graphs)
+        # slot order -> row order
+        tokens_out[row_of_slot], logprobs_out[row_of_slot] = state.tokens_out, state.logprobs_out
+        lengths[row_of_slot] = state.lengths
+        return
+    max_prompt = max(len(p) for p in prompts)
+    for step in range(max_new_tokens):
+        tokens, logprobs = sample(logits, temperature, top_p, uniforms[row_of_slot, step])
+        tokens_out[row_of_slot, step] = tokens
+        logprobs_out[row_of_slot, step] = logprobs
+        if step == max_new_tokens - 1:
+            break
+        done = torch.isin(tokens, eos)
+        if done.any():  # finished rows leave the batch
+            lengths[row_of_slot[done]] = step + 1
+            order = compact(cache, done, max_prompt + step + 1)
+            if len(order) == 0:
+                break
+            tokens, row_of_slot = tokens[order], row_of_slot[order]
+        logits = decode(model, tokens, cache)
+
+
+def kv_bytes(model, num_rows, max_len):
+    """Bytes of the KV cache prefilled() allocates for num_rows rows of max_len slots (K and V,
+    every layer, in the model's dtype)."""
+    config, param = model.config, next(model.parameters())
+    head_dim = model.model.layers[0].self_attn.head_dim
+    return (2 * config.num_hidden_layers * num_rows * max_len * config.num_key_value_heads
+            * head_dim * param.element_size())

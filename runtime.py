@@ -61,6 +61,24 @@ def compute_dtype(name, device):
 CUDA_LOGPROB_DTYPE = "float32"
 
 
+# --generate-rows auto: the share of the GPU memory free when a rollout starts that its KV cache may
+# take (the rest: the prefill's activations, the sampling step's logits over the vocabulary)
+KV_SHARE = 0.5
+
+
+def rows_that_fit(sampler, prompts, max_new_tokens):
+    """--generate-rows auto: on CUDA, how many rows' KV caches (the longest prompt + max_new_tokens
+    slots each) fit in KV_SHARE of the memory free now; None on a CPU (all rows at once)."""
+    import rollout
+
+    device = next(sampler.parameters()).device
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    per_row = rollout.kv_bytes(sampler, 1, max(map(len, prompts)) + max_new_tokens)
+    return max(1, int(KV_SHARE * free // per_row))
+
+
 def logprob_dtype(name, device):
     """The torch dtype of the no-grad log-prob passes for --logprob-dtype `name` on `device`
     ("auto": CUDA_LOGPROB_DTYPE on CUDA, fp32 on a CPU, where bf16 rounding puts a floor under

@@ -125,6 +125,9 @@ group.add_argument("--temperature", type=float, default=1.0,
 group.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling: training takes only 1.0, the distribution its log-probs "
                         "are under")
+group.add_argument("--generate-rows", type=int, default=0,
+                   help="rows one generate call decodes at a time, the same samples (0 = auto: as "
+                        "many as fit their KV cache in half the GPU memory free; all on a CPU)")
 group = parser.add_argument_group("model and data")
 group.add_argument("--model", default="smollm2-135m",
                    help="policy and reference: a hub id, a save_pretrained directory, "
@@ -162,8 +165,8 @@ group.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "floa
 group.add_argument("--logprob-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="dtype of the log-probs that feed the KL, the ratio and the loss values: "
                         "float32 = exact, bfloat16 = the fast, noisy way; auto = float32 on a CPU, "
-                        "on CUDA the pick of docs/precision.md's registered rule (float32 until "
-                        "its GPU run)")
+                        "on CUDA the pick of docs/precision.md's registered rule (float32, the only "
+                        "option that passed it)")
 group.add_argument("--micro-batch", type=int, default=8,
                    help="sequences per forward/backward (the gradient does not depend on it; 8 "
                         "keeps the default run under 4 GiB whatever the responses' lengths)")
@@ -188,8 +191,10 @@ def check_flags(args, world_size):
          f"{world_size} ranks"),
         (1 <= args.minibatches <= per_rank,
          f"--minibatches must be between 1 and the sequences per rank, got {args.minibatches}"),
-        (args.micro_batch >= 1 and args.max_new_tokens >= 1 and args.steps >= 0 and args.lr > 0,
-         "--micro-batch and --max-new-tokens must be >= 1, --steps >= 0, --lr > 0"),
+        (args.micro_batch >= 1 and args.max_new_tokens >= 1 and args.steps >= 0 and args.lr > 0
+         and args.generate_rows >= 0,
+         "--micro-batch and --max-new-tokens must be >= 1, --steps and --generate-rows >= 0, "
+         "--lr > 0"),
         (args.temperature > 0, "--temperature must be > 0"),
         (0 <= args.seed < 2**12, f"--seed must be 0-4095 (eval.py's seeds), got {args.seed}"),
         (args.async_lag >= 0 and args.is_cap > 0, "--async-lag must be >= 0, --is-cap > 0"),
@@ -570,8 +575,12 @@ def main(argv=None):
             # each prompt's G completions are contiguous: an RLOO group
             prompts = [ids for example in problems
                        for ids in [data.prompt_ids(tokenizer, example)] * G]
+            max_rows = args.generate_rows or runtime.rows_that_fit(sampler, prompts,
+                                                                   args.max_new_tokens)
+            if step == start_step + 1 and max_rows and max_rows < len(prompts):
+                print0(f"sampling {max_rows} of the {len(prompts)} rows at a time (--generate-rows)")
             out = rollout.generate(sampler, prompts, args.max_new_tokens, args.temperature,
-                                   args.top_p, stop_ids, generator)
+                                   args.top_p, stop_ids, generator, max_rows=max_rows)
             queue.append({"weights_step": step - 1, "problems": problems, "prompts": prompts,
                           "out": out})
         sampled = queue.popleft()

@@ -162,6 +162,50 @@ def test_a_row_depends_on_the_seed_and_its_index_only():
     assert stopped >= 4, "the test needs rows that stop early"
 
 
+
+@pytest.mark.parametrize("static", [True, False], ids=["fixed-shape", "compaction"])
+def test_rows_in_chunks_are_the_samples_of_one_call(static):
+    """generate(max_rows=3, then 4) on 9 rows (chunks of 3, 3, 3, then 4, 4, 1), sampled with
+    top-p 0.8 and EOS at mixed lengths: every row equals one call's (or first
+    differs at a tie: another batch size may round a logit otherwise), log-probs within 1e-5, and
+    the outputs keep one call's shapes and padding."""
+    model = lively(tiny_model("llama3"))
+    prompts = MIXED + [[4, 4, 4]] * 2
+
+    def run(max_rows, eos_token_id=None):
+        return rollout.generate(model, prompts, 16, 1.0, 0.8, eos_token_id=eos_token_id,
+                                generator=torch.Generator().manual_seed(5), static=static,
+                                max_rows=max_rows)
+    eos = eos_for_mixed_lengths(run(None).response_ids)
+    whole = run(None, eos)
+    assert len({len(row) for row in whole.response_ids}) >= 3, "the test needs 3 lengths"
+    uniforms = torch.rand(len(prompts), 16, generator=torch.Generator().manual_seed(5),
+                          dtype=torch.float64)  # generate's own draw
+    for max_rows in (3, 4):
+        chunked = run(max_rows, eos)
+        for row, prompt in enumerate(prompts):
+            ours, one_call = chunked.response_ids[row], whole.response_ids[row]
+            assert_differs_at_a_tie(model, prompt, ours, one_call, 1.0, 0.8, uniforms[row])
+            if ours == one_call:
+                assert chunked.logprobs[row] == pytest.approx(whole.logprobs[row], abs=1e-5)
+        assert chunked.tokens.shape == whole.tokens.shape
+        assert torch.equal(chunked.response_mask, whole.response_mask)
+        assert not (chunked.tokens * (1 - chunked.response_mask.long())).any()
+    with pytest.raises(ValueError, match="max_rows"):
+        run(0)
+
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kv_bytes_is_the_cache_prefilled_allocates(family):
+    """kv_bytes, which --generate-rows auto divides the free GPU memory by, counts exactly the K
+    and V tensors prefilled() allocates (grouped-query heads, the model's dtype)."""
+    model = tiny_model(family).to(torch.bfloat16)
+    cache, _, _ = rollout.prefilled(model, MIXED, 7)
+    allocated = sum(t.numel() * t.element_size() for t in (cache.k, cache.v))
+    assert rollout.kv_bytes(model, len(MIXED), max(map(len, MIXED)) + 7) == allocated
+
+
 # ---------------------------------------------------------------- what a CUDA graph needs
 def test_the_counter_sees_each_kind_of_sync():
     """AtenOps itself: it counts a scalar read, an `if` on a tensor, nonzero and boolean-mask

@@ -41,8 +41,9 @@ METRICS = ("step", "reward", "accuracy", "return", "kl_k1", "kl_k3", "loss", "pg
 # ---------------------------------------------------------------- test-only patches
 # (applied outside train.py)
 def row_seeded_generate(generate, model, prompts, max_new_tokens, temperature=1.0, top_p=1.0,
-                        eos_token_id=None, generator=None):
-    """`generate`, one sequence at a time, seeded by (prompt, its index among equal prompts)."""
+                        eos_token_id=None, generator=None, max_rows=None):
+    """`generate`, one sequence at a time (whatever max_rows), seeded by (prompt, its index among
+    equal prompts)."""
     import rollout
 
     outs, seen = [], {}
@@ -305,6 +306,33 @@ def test_gradient_does_not_depend_on_micro_batch(tiny, two_steps, tmp_path):
     train(flags(tiny, tmp_path, "--steps", "2", "--micro-batch", "1", *SGD),
           patches=("sgd", "row_seeded"))
     assert_same(weights(tmp_path / "final"), two_steps["final"], atol=1e-5)
+
+
+def test_sampling_in_row_chunks_changes_nothing(tiny, tmp_path):
+    """--generate-rows 3: each step's 16 rows are sampled 3 at a time (the last call 1), with
+    the same samples as one call, so two steps end on the same weights and metrics (fp32; rows
+    differ only from a near-tie, which this tiny model does not meet: test_static_decode.py checks
+    the rule)."""
+    import rollout
+
+    generate, calls = rollout.generate, []
+
+    def recorded(model, prompts, *args, max_rows=None, **kwargs):
+        calls.append((len(prompts), max_rows))
+        return generate(model, prompts, *args, max_rows=max_rows, **kwargs)
+    runs = {}
+    for rows in ("0", "3"):
+        out = tmp_path / f"rows-{rows}"
+        run = train(flags(tiny, out, "--steps", "2", "--generate-rows", rows, *SGD),
+                    patches=("sgd",), rollout__generate=recorded)
+        runs[rows] = (run, weights(out / "final"), metrics(out))
+    assert calls == [(16, None)] * 2 + [(16, 3)] * 2
+    (one, one_final, one_rows), (chunked, final, rows) = runs["0"], runs["3"]
+    assert torch.equal(chunked["tokens"], one["tokens"])
+    assert torch.equal(chunked["mask"], one["mask"])
+    assert_same(final, one_final, atol=1e-6)
+    for a, b in zip(rows, one_rows):
+        assert a["reward"] == b["reward"] and a["kl_k1"] == pytest.approx(b["kl_k1"], abs=1e-6)
 
 
 def test_gradient_checkpointing_changes_nothing(tiny, two_steps, tmp_path):
@@ -778,6 +806,7 @@ def test_weighted_kl_survives_a_huge_importance_weight(tiny, tmp_path, log_w, is
     (["--kl", "k3", "--place", "weighted"], "--place weighted"),
     (["--kl-clamp", "verl"], "--kl-clamp verl"),  # K1 is never clamped: the flag would do nothing
     (["--async-lag", "-1"], "--async-lag"),
+    (["--generate-rows", "-1"], "--generate-rows"),
     (["--async-lag", "1", "--behaviour", "trainer"], "--behaviour trainer"),
 ])
 def test_bad_flags_fail_with_one_line(tiny, tmp_path, bad, named):

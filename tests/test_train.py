@@ -19,6 +19,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -823,3 +824,32 @@ if __name__ == "__main__":
     import train
 
     train.main(sys.argv[1:])
+
+
+def test_the_recipes_in_docs_gpu_md_parse(monkeypatch):
+    """Every train.py command in docs/gpu.md's code block, and each row of its figure table applied
+    to the first command, parses and passes check_flags at its world size (a typo in a recipe, or
+    a combination the trainer refuses, fails here rather than on someone's 8-GPU node)."""
+    import shlex
+
+    import train as trainer
+
+    text = (ROOT / "docs" / "gpu.md").read_text()
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    commands = [line for line in block.splitlines()
+                if " train.py " in f" {line} " and not line.startswith("#")]
+    assert len(commands) == 2, commands
+    rows = [line.split("|")[2] for line in text.splitlines()
+            if line.startswith("| Fig")]  # | figure | flags |
+    assert len(rows) >= 7, rows
+    base = shlex.split(commands[0].split("train.py", 1)[1])
+    argvs = [(8, base), (1, shlex.split(commands[1].split("train.py", 1)[1]))]
+    for row in rows:  # each `--flag value ...` span of a row; {a,b} lists take their first value
+        for span in row.split("`")[1::2]:
+            if span.startswith("--"):
+                argvs.append((8, base + shlex.split(re.sub(r"\{([^,}]*)[^}]*\}", r"\1", span))))
+    monkeypatch.setenv("RANK", "0")  # as under torchrun, which --fsdp needs
+    for world_size, argv in argvs:
+        args = trainer.parser.parse_args(argv)
+        assert trainer.check_flags(args, world_size) is None, (argv, trainer.check_flags(
+            args, world_size))

@@ -4,7 +4,11 @@ A checkpoint OUT/step_N (or OUT/final) holds the policy's weights as safetensors
 from_pretrained, vLLM, lm-eval), the tokenizer, the AdamW state, every rank's RNG state and queue
 of batches sampled ahead (--async-lag, on the CPU), and trainer_state.json (steps done, prompts
 consumed, world size, the run-defining flags with --dtype resolved). A resumed run continues bit
-for bit.
+for bit. Under FSDP (--fsdp) the fp32 weights and the AdamW state are saved sharded instead, with
+torch.distributed.checkpoint (DCP) into OUT/NAME/sharded/: each rank writes its own shard, and
+nothing is gathered onto rank 0 (at 7B a full gather is ~92 GB of rank 0's host memory); only final/
+also gets the gathered weights as safetensors, for eval.py and vLLM. --keep-last N keeps the N
+newest step_N checkpoints (final/ is never removed).
 
 A kill at any moment leaves the last complete checkpoint usable:
   1. every rank writes its files into OUT/.tmp-NAME; a barrier;
@@ -29,8 +33,10 @@ import shutil
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict,
+                                                     set_model_state_dict,
                                                      set_optimizer_state_dict)
 
 from runtime import barrier, fail, stop_if_any_rank, unwrap
@@ -39,7 +45,8 @@ from runtime import barrier, fail, stop_if_any_rank, unwrap
 # sharding or recomputation); every other flag must match the checkpoint's for --resume
 RESUMABLE_CHANGES = {"out", "resume", "steps", "save_every", "eval_every", "eval_tasks",
                      "eval_limit", "micro_batch", "grad_checkpointing", "fsdp", "max_bad_steps",
-                     "report_to"}
+                     "report_to", "generate_rows", "keep_last"}
+SHARDED = "sharded"  # the DCP folder of an FSDP checkpoint
 
 
 def run_flags(args):
@@ -58,15 +65,22 @@ def flag_changes(saved, args):
 def missing(directory):
     """The first file the checkpoint `directory` lacks, or None when it is complete."""
     try:
-        world_size = json.loads((directory / "trainer_state.json").read_text())["world_size"]
+        state = json.loads((directory / "trainer_state.json").read_text())
+        world_size = state["world_size"]
     except (OSError, ValueError, KeyError):  # being written, or not a checkpoint
         return "trainer_state.json"
-    needed = ["config.json", "optimizer.pt", *(f"{kind}_rank{rank}.pt"
-                                               for rank in range(world_size)
-                                               for kind in ("rng", "queue"))]
-    if not any(directory.glob("*.safetensors")):
+    needed = ["config.json", *(f"{kind}_rank{rank}.pt" for rank in range(world_size)
+                               for kind in ("rng", "queue"))]
+    # DCP writes .metadata last, once every rank's shard is written
+    needed.append(f"{SHARDED}/.metadata" if state.get("sharded") else "optimizer.pt")
+    if not has_weights(directory) and (directory.name == "final" or not state.get("sharded")):
         return "model.safetensors"
     return next((name for name in needed if not (directory / name).is_file()), None)
+
+
+def has_weights(directory):
+    """Whether the checkpoint holds the full weights as safetensors (from_pretrained loads it)."""
+    return any(directory.glob("*.safetensors"))
 
 
 def step_of(directory):
@@ -162,10 +176,19 @@ def set_rng_state(state, generator):
 
 
 def load(checkpoint, policy, optimizer, generator, rank):
-    """Restore the AdamW state and this rank's RNG streams (the weights were loaded with the
-    model); return this rank's queue of batches sampled ahead (--async-lag)."""
-    set_optimizer_state_dict(policy, optimizer, torch.load(checkpoint / "optimizer.pt", mmap=True),
-                             options=StateDictOptions(full_state_dict=True))
+    """Restore the AdamW state (and a sharded checkpoint's weights: else they were loaded with the
+    model) and this rank's RNG streams; return this rank's queue of batches sampled ahead
+    (--async-lag)."""
+    if (checkpoint / SHARDED).is_dir():  # each rank reads its own shards
+        state = {"model": get_model_state_dict(policy),
+                 "optimizer": get_optimizer_state_dict(policy, optimizer)}
+        dcp.load(state, checkpoint_id=checkpoint / SHARDED)
+        set_model_state_dict(policy, state["model"])
+        set_optimizer_state_dict(policy, optimizer, state["optimizer"])
+    else:
+        set_optimizer_state_dict(policy, optimizer,
+                                 torch.load(checkpoint / "optimizer.pt", mmap=True),
+                                 options=StateDictOptions(full_state_dict=True))
     set_rng_state(torch.load(checkpoint / f"rng_rank{rank}.pt", weights_only=False), generator)
     device = next(policy.parameters()).device
     queue = torch.load(checkpoint / f"queue_rank{rank}.pt", weights_only=False, map_location="cpu")
@@ -179,29 +202,51 @@ def on_device(batch, device):
     return {**batch, "out": dataclasses.replace(out, **tensors)}
 
 
-def save(path, policy, tokenizer, optimizer, generator, queue, trainer_state, rank):
-    """Write the checkpoint `path` (all ranks call this), as the module docstring says."""
+def save(path, policy, tokenizer, optimizer, generator, queue, trainer_state, rank, keep_last=0):
+    """Write the checkpoint `path` (all ranks call this), as the module docstring says;
+    trainer_state["sharded"] saves the weights and AdamW state with DCP."""
     tmp = path.parent / f".tmp-{path.name}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    # collectives on every rank: under FSDP they gather the shards (onto rank 0's CPU)
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = get_model_state_dict(policy, options=options)
-    optimizer_state = get_optimizer_state_dict(policy, optimizer, options=options)
+    # collectives on every rank: DCP writes each rank's shards; a full state dict gathers them
+    # onto rank 0's CPU
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    if trainer_state.get("sharded"):
+        dcp.save({"model": get_model_state_dict(policy),
+                  "optimizer": get_optimizer_state_dict(policy, optimizer)},
+                 checkpoint_id=tmp / SHARDED)
+    weights = (get_model_state_dict(policy, options=full)
+               if path.name == "final" or not trainer_state.get("sharded") else None)
+    optimizer_state = (None if trainer_state.get("sharded")
+                       else get_optimizer_state_dict(policy, optimizer, options=full))
     torch.save(rng_state(generator), tmp / f"rng_rank{rank}.pt")
     # sampled ahead, not yet trained on; on the CPU, so any device can resume it
     torch.save([on_device(batch, "cpu") for batch in queue], tmp / f"queue_rank{rank}.pt")
     if rank == 0:
-        unwrap(policy).save_pretrained(tmp, state_dict=weights)
+        if weights is None:
+            unwrap(policy).config.save_pretrained(tmp)
+        else:
+            unwrap(policy).save_pretrained(tmp, state_dict=weights)
         tokenizer.save_pretrained(tmp)
-        torch.save(optimizer_state, tmp / "optimizer.pt")
+        if optimizer_state is not None:
+            torch.save(optimizer_state, tmp / "optimizer.pt")
     barrier()  # every rank's files are written
     if rank == 0:
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
         replace(path, tmp)
+        if keep_last and path.name.startswith("step_"):
+            rotate(path.parent, keep_last)
     barrier()
+
+
+def rotate(out, keep_last):
+    """Remove the complete step_N checkpoints older than the keep_last newest (final/ stays)."""
+    steps = sorted((d for d in out.glob("step_*") if d.is_dir() and missing(d) is None),
+                   key=step_of)
+    for old in steps[:-keep_last]:
+        retire(old)
 
 
 def start_log(args, start_step, resumed):

@@ -151,6 +151,8 @@ group.add_argument("--out", default=None,
                         "(default: runs/TASK-MODEL-KL-in-PLACE-BETA-seedSEED)")
 group.add_argument("--save-every", type=int, default=0,
                    help="checkpoint OUT/step_N every N steps; 0 = only OUT/final")
+group.add_argument("--keep-last", type=int, default=0,
+                   help="keep only the N newest OUT/step_N (0 = all); OUT/final always stays")
 group.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --out")
 group.add_argument("--max-bad-steps", type=int, default=3,
@@ -208,8 +210,9 @@ def check_flags(args, world_size):
         (args.top_p == 1, "--top-p < 1 is for eval.py: the trainer's log-probs, ratio and KL are "
                           "under the full softmax, so they would describe another distribution "
                           "than the one sampled"),
-        (args.eval_every >= 0 and args.save_every >= 0 and args.max_bad_steps >= 1,
-         "--eval-every and --save-every must be >= 0, --max-bad-steps >= 1"),
+        (args.eval_every >= 0 and args.save_every >= 0 and args.keep_last >= 0
+         and args.max_bad_steps >= 1,
+         "--eval-every, --save-every and --keep-last must be >= 0, --max-bad-steps >= 1"),
         (not args.fsdp or "RANK" in os.environ,
          "--fsdp needs torchrun: torchrun --nproc_per_node=N train.py"),
     ]:
@@ -368,8 +371,10 @@ def load(args, checkpoint_dir):
         eval_sets = {name: data.load_task(name, split="test", limit=args.eval_limit)
                      for name in eval_names}
         tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
-        policy = load_model(str(checkpoint_dir or args.model), torch.float32,
-                            args.trust_remote_code)
+        # a sharded (FSDP) step checkpoint has no full weights: checkpoint.load puts them in
+        weights = (checkpoint_dir if checkpoint_dir and checkpoint.has_weights(checkpoint_dir)
+                   else args.model)
+        policy = load_model(str(weights), torch.float32, args.trust_remote_code)
         stop_ids = stop_token_ids(policy, tokenizer)  # EOS and the chat template's end of turn
     except (OSError, ValueError, HubUnreachable) as caught:
         return str(caught).splitlines()[0] if str(caught) else type(caught).__name__
@@ -546,6 +551,7 @@ def main(argv=None):
     queue = collections.deque()  # batches sampled ahead (--async-lag), oldest first
     if resume_from is not None:
         queue = checkpoint.load(resume_from, policy, optimizer, generator, rank)
+        runtime.refresh_sampler(sampler, policy)  # the checkpoint's weights, also where sharded
         start_step, position = trainer_state["step"], trainer_state["data_position"]
     if rank == 0:
         metrics_path = checkpoint.start_log(args, start_step, resumed=resume_from is not None)
@@ -661,9 +667,9 @@ def save(args, step, position, world_size, policy, tokenizer, optimizer, generat
          name=None):
     """checkpoint.save to OUT/step_N (or OUT/NAME), with the state that --resume continues from."""
     trainer_state = {"step": step, "data_position": position, "world_size": world_size,
-                     "flags": checkpoint.run_flags(args)}
+                     "flags": checkpoint.run_flags(args), "sharded": args.fsdp}
     checkpoint.save(args.out / (name or f"step_{step}"), policy, tokenizer, optimizer, generator,
-                    queue, trainer_state, rank)
+                    queue, trainer_state, rank, args.keep_last)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ this file as a module (`torchrun -m test_train ...`), which applies the same tes
               and 2 processes);
 - kill_save:  SIGKILL the process in the middle of its second checkpoint save (weights written, no
               rename).
+- kill_dcp:   SIGKILL rank 0 as soon as the second sharded (DCP) save is written, before the rename.
 - late_rank1: rank 1 writes its checkpoint files 1 s late (a loaded node, a slow filesystem);
 - kill_final: SIGKILL rank 0 as it renames a checkpoint into OUT/final, the old final/ already moved
               out of the way (the window a replacement must survive).
@@ -78,6 +79,20 @@ def apply_patches(names, setattr):
                 os.kill(os.getpid(), signal.SIGKILL)
 
         setattr(transformers.PreTrainedModel, "save_pretrained", save_then_die)
+    if "kill_dcp" in names:
+        import torch.distributed.checkpoint as dcp
+
+        dcp_save, dcp_calls = dcp.save, []
+
+        def dcp_save_then_die(*args, **kwargs):
+            result = dcp_save(*args, **kwargs)
+            dcp_calls.append(1)
+            # the second checkpoint: every rank's shard and .metadata written, no rename
+            if len(dcp_calls) == 2 and os.environ.get("RANK") == "0":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return result
+
+        setattr(dcp, "save", dcp_save_then_die)
     if "late_rank1" in names and os.environ.get("RANK") == "1":
         save = torch.save
 
@@ -400,6 +415,36 @@ def test_kill_during_save_then_resume_equals_straight_run(tiny, tmp_path):
     strip = lambda rows: [{k: v for k, v in row.items() if k not in timing}  # noqa: E731
                           for row in rows]
     assert strip(metrics(tmp_path / "killed")) == strip(metrics(tmp_path / "straight"))
+
+
+def test_fsdp_checkpoints_are_sharded_rotate_and_resume_bit_for_bit(tiny, tmp_path):
+    """torchrun x2 --fsdp: step checkpoints hold each rank's DCP shard of the weights and AdamW state
+    and no gathered copy (final/ also the safetensors eval.py loads), --keep-last 1 keeps only the
+    newest step_N, and a run killed right after its second sharded save resumes to the straight
+    run's final weights and metrics, bit for bit."""
+    import checkpoint
+
+    extra = ("--steps", "4", "--save-every", "2", "--micro-batch", "3", "--lr", "1e-2", "--fsdp")
+    straight = run_module(flags(tiny, tmp_path / "straight", *extra, "--keep-last", "1"),
+                          procs=2)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    out = tmp_path / "straight"
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["final", "step_4"]
+    step = out / "step_4"
+    assert {p.name for p in (step / "sharded").glob("*.distcp")} == {"__0_0.distcp",
+                                                                      "__1_0.distcp"}
+    assert not checkpoint.has_weights(step) and not (step / "optimizer.pt").exists()
+    assert checkpoint.has_weights(out / "final") and (out / "final" / "sharded").is_dir()
+
+    killed = run_module(flags(tiny, tmp_path / "killed", *extra), patches=("kill_dcp",), procs=2)
+    assert killed.returncode != 0
+    assert checkpoint.missing(tmp_path / "killed" / "step_2") is None
+    assert not (tmp_path / "killed" / "step_4").exists()
+    resumed = run_module(flags(tiny, tmp_path / "killed", *extra, "--resume"), procs=2)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming" in resumed.stdout
+    assert_same(weights(tmp_path / "killed" / "final"), weights(out / "final"), atol=0)
+    assert without_timings(metrics(tmp_path / "killed")) == without_timings(metrics(out))
 
 
 def without_timings(rows):

@@ -73,7 +73,8 @@ def missing(directory):
                                for kind in ("rng", "queue"))]
     # DCP writes .metadata last, once every rank's shard is written
     needed.append(f"{SHARDED}/.metadata" if state.get("sharded") else "optimizer.pt")
-    if not has_weights(directory) and (directory.name == "final" or not state.get("sharded")):
+    final = directory.name.endswith("final")  # final, or .tmp-final / .old-final
+    if not has_weights(directory) and (final or not state.get("sharded")):
         return "model.safetensors"
     return next((name for name in needed if not (directory / name).is_file()), None)
 

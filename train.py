@@ -167,8 +167,8 @@ group.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "floa
 group.add_argument("--logprob-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="dtype of the log-probs that feed the KL, the ratio and the loss values: "
                         "float32 = exact, bfloat16 = the fast, noisy way; auto = float32 on a CPU, "
-                        "on CUDA the pick of docs/precision.md's registered rule (float32, the only "
-                        "option that passed it)")
+                        "on CUDA the pick of docs/precision.md's registered rule (float32, the "
+                        "only option that passed it)")
 group.add_argument("--micro-batch", type=int, default=8,
                    help="sequences per forward/backward (the gradient does not depend on it; 8 "
                         "keeps the default run under 4 GiB whatever the responses' lengths)")
@@ -584,7 +584,8 @@ def main(argv=None):
             max_rows = args.generate_rows or runtime.rows_that_fit(sampler, prompts,
                                                                    args.max_new_tokens)
             if step == start_step + 1 and max_rows and max_rows < len(prompts):
-                print0(f"sampling {max_rows} of the {len(prompts)} rows at a time (--generate-rows)")
+                print0(f"sampling {max_rows} of the {len(prompts)} rows at a time "
+                       "(--generate-rows)")
             out = rollout.generate(sampler, prompts, args.max_new_tokens, args.temperature,
                                    args.top_p, stop_ids, generator, max_rows=max_rows)
             queue.append({"weights_step": step - 1, "problems": problems, "prompts": prompts,

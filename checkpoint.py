@@ -7,7 +7,8 @@ consumed, world size, the run-defining flags with --dtype resolved). A resumed r
 for bit. Under FSDP (--fsdp) the fp32 weights and the AdamW state are saved sharded instead, with
 torch.distributed.checkpoint (DCP) into OUT/NAME/sharded/: each rank writes its own shard, and
 nothing is gathered onto rank 0 (at 7B a full gather is ~92 GB of rank 0's host memory); only final/
-also gets the gathered weights as safetensors, for eval.py and vLLM. --keep-last N keeps the N
+also gets the gathered weights, as bf16 safetensors for eval.py and vLLM (config.json says bfloat16;
+--resume reads the fp32 shards). --keep-last N keeps the N
 newest step_N checkpoints (final/ is never removed).
 
 A kill at any moment leaves the last complete checkpoint usable:
@@ -228,6 +229,8 @@ def save(path, policy, tokenizer, optimizer, generator, queue, trainer_state, ra
     if rank == 0:
         if weights is None:
             unwrap(policy).config.save_pretrained(tmp)
+        elif trainer_state.get("sharded"):  # final/: the fp32 weights are in sharded/
+            export_bf16(unwrap(policy), tmp, weights)
         else:
             unwrap(policy).save_pretrained(tmp, state_dict=weights)
         tokenizer.save_pretrained(tmp)
@@ -240,6 +243,18 @@ def save(path, policy, tokenizer, optimizer, generator, queue, trainer_state, ra
         if keep_last and path.name.startswith("step_"):
             rotate(path.parent, keep_last)
     barrier()
+
+
+def export_bf16(model, directory, weights):
+    """The gathered weights as a bf16 Hugging Face checkpoint (config.json says bfloat16), as models
+    are released and vLLM serves them: half the size of the fp32 master weights."""
+    model.save_pretrained(directory, state_dict={
+        name: tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+        for name, tensor in weights.items()})
+    # save_pretrained writes the fp32 model's dtype: say what the file holds
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}, indent=2)
+                                           + "\n")
 
 
 def rotate(out, keep_last):

@@ -328,8 +328,9 @@ def test_bench_decode_runs_on_a_cpu(tmp_path):
     report = json.loads(out.read_text())
     steps = report["step_ms"]
     assert {row["sampler"] for row in steps} >= {"ours eager", "ours compaction", "hf eager"}
-    for row in steps:
-        assert row["ms"] > 0 and 0 < row["floor_fraction"] and row["floor_ms"] > 0, row
+    for row in steps:  # a step's ms is t(4) - t(2) over 2 steps: on a loaded CPU it can be < 0
+        assert math.isfinite(row["ms"]) and row["floor_ms"] > 0, row
+        assert row["floor_fraction"] == pytest.approx(row["floor_ms"] / row["ms"]), row
     assert {row["sampler"] for row in report["eos_on"]} >= {"ours eager", "hf eager"}
     assert all(row["useful_tokens_per_s"] > 0 for row in report["eos_on"])
     assert report["syncs"]["ok"], report["syncs"]

@@ -224,9 +224,25 @@ def run_two_nodes(argv, logs):
 
 
 def weights(path):
+    """A checkpoint's fp32 master weights: its safetensors, or under --fsdp its DCP shards (whose
+    final/ safetensors are a bf16 export), under the safetensors' names."""
     from safetensors.torch import load_file
 
-    return load_file(str(Path(path) / "model.safetensors"))
+    exported = load_file(str(Path(path) / "model.safetensors"))
+    if not (Path(path) / "sharded").is_dir():
+        return exported
+    return {name: tensor for name, tensor in sharded_weights(path).items() if name in exported}
+
+
+def sharded_weights(path):
+    """The "model" part of a checkpoint's DCP shards, read into one state dict."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(Path(path) / "sharded", Path(tmp) / "state.pt")
+        return torch.load(Path(tmp) / "state.pt", weights_only=False)["model"]
 
 
 def metrics(out):
@@ -419,7 +435,7 @@ def test_kill_during_save_then_resume_equals_straight_run(tiny, tmp_path):
 
 def test_fsdp_checkpoints_are_sharded_rotate_and_resume_bit_for_bit(tiny, tmp_path):
     """torchrun x2 --fsdp: step checkpoints hold each rank's DCP shard of the weights and AdamW state
-    and no gathered copy (final/ also the safetensors eval.py loads), --keep-last 1 keeps only the
+    and no gathered copy (final/ also a bf16 export, which eval.py loads), --keep-last 1 keeps the
     newest step_N, and a run killed right after its second sharded save resumes to the straight
     run's final weights and metrics, bit for bit."""
     import checkpoint
@@ -435,6 +451,15 @@ def test_fsdp_checkpoints_are_sharded_rotate_and_resume_bit_for_bit(tiny, tmp_pa
                                                                       "__1_0.distcp"}
     assert not checkpoint.has_weights(step) and not (step / "optimizer.pt").exists()
     assert checkpoint.has_weights(out / "final") and (out / "final" / "sharded").is_dir()
+    # final/'s safetensors: the fp32 master weights rounded to bf16, and config.json says so
+    from safetensors.torch import load_file
+
+    export, master = load_file(str(out / "final" / "model.safetensors")), weights(out / "final")
+    assert master and all(t.dtype == torch.float32 for t in master.values())
+    assert export.keys() == master.keys()
+    for name, tensor in export.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, master[name].bfloat16())
+    assert json.loads((out / "final" / "config.json").read_text())["dtype"] == "bfloat16"
 
     killed = run_module(flags(tiny, tmp_path / "killed", *extra), patches=("kill_dcp",), procs=2)
     assert killed.returncode != 0

@@ -33,6 +33,7 @@ Checkpoints and --resume: checkpoint.py.
 import argparse
 import collections
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -309,14 +310,32 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
     return logp * response_mask, entropy * response_mask
 
 
+def micro_batch_sizes(prompts, micro_batch):
+    """The rows' micro-batches, as sizes of consecutive runs: at most `micro_batch` rows each, and
+    an RLOO group (a run of rows with the same prompt) never split across two unless it is larger
+    than `micro_batch`. token_logprobs pads every pack of a micro-batch to the longest, so a
+    micro-batch that straddled two groups computed up to a group's length twice: 1.5x the response
+    tokens at the 1-GPU recipe's --group-size 5 --micro-batch 8 (docs/benchmarks.md)."""
+    sizes, joinable = [], False  # joinable: the last micro-batch holds whole groups only
+    for _, run in itertools.groupby(map(tuple, prompts)):
+        group = len(list(run))
+        if joinable and sizes[-1] + group <= micro_batch:
+            sizes[-1] += group
+            continue
+        full, rest = divmod(group, micro_batch)
+        sizes += [micro_batch] * full + [rest] * (rest > 0)
+        joinable = full == 0
+    return sizes
+
+
 def no_grad_logprobs(model, prompts, responses, response_mask, temperature, dtype, micro_batch,
                      entropy=False):
     """token_logprobs (and with entropy=True the entropies, else None) of the whole batch,
-    micro-batch by micro-batch, no gradient."""
-    parts = []
+    micro-batch by micro-batch (micro_batch_sizes), no gradient."""
+    parts, start = [], 0
     with torch.no_grad():
-        for start in range(0, len(prompts), micro_batch):
-            rows = slice(start, start + micro_batch)
+        for size in micro_batch_sizes(prompts, micro_batch):
+            rows, start = slice(start, start + size), start + size
             parts.append(token_logprobs(model, prompts[rows], responses[rows], response_mask[rows],
                                         temperature, dtype, entropy))
     logp, entropies = zip(*parts)
@@ -424,7 +443,8 @@ def update(args, policy, optimizer, batch, minibatch, first):
     num_tokens = mask[minibatch].sum()
     if dist.is_initialized():
         dist.all_reduce(num_tokens)
-    micro_batches = minibatch.split(args.micro_batch)
+    micro_batches = minibatch.split(micro_batch_sizes([batch.prompts[r] for r in minibatch],
+                                                      args.micro_batch))
     sums = torch.zeros(3, dtype=torch.float64, device=device)
     for i, rows in enumerate(micro_batches):
         # DDP all-reduces gradients in the backward of the last micro-batch only

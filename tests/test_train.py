@@ -304,6 +304,38 @@ def two_steps(tiny, tmp_path_factory):
     return {"out": out, "run": run, "final": weights(out / "final")}
 
 
+@pytest.mark.parametrize("groups, micro_batch", [((5,) * 16, 8), ((4,) * 8, 8), ((5,) * 4, 4),
+                                                  ((16,) * 2, 8), ((3,) * 3, 4), ((2, 7, 1), 3)])
+def test_micro_batches_keep_groups_whole(groups, micro_batch):
+    """micro_batch_sizes: at most --micro-batch rows each, every row once, in order, and a
+    micro-batch holds either whole groups or a part of one group only, so no pack is padded to
+    another group's length. At the 1-GPU recipe's shapes (groups of 5, --micro-batch 8, responses
+    of 1,024 tokens after prompts of 160) the passes compute one pack per group: 84,480 positions
+    where plain slices of 8 rows computed 122,624."""
+    import train as trainer
+
+    prompts = [[g] * 160 for g, n in enumerate(groups) for _ in range(n)]
+    sizes = trainer.micro_batch_sizes(prompts, micro_batch)
+    assert sum(sizes) == len(prompts) and max(sizes) <= micro_batch
+    start = 0
+    for size in sizes:
+        members = prompts[start:start + size]
+        kinds = {p[0] for p in members}
+        whole = all(prompts.count(p) == members.count(p) for p in map(list, {tuple(m) for m in
+                                                                               members}))
+        assert len(kinds) == 1 or whole, (sizes, start)
+        start += size
+    if groups == (5,) * 16 and micro_batch == 8:
+        mask = torch.ones(len(prompts), 1024)
+
+        def positions(slices):
+            return sum(len(packs) * L for packs, _, L, _, _ in
+                       (trainer.pack_layout(prompts[a:b], mask[a:b]) for a, b in slices))
+        ours = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
+        plain = [(a, a + micro_batch) for a in range(0, len(prompts), micro_batch)]
+        assert (positions(ours), positions(plain)) == (84_480, 122_624)
+
+
 def test_two_steps_single_process(tiny, two_steps):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

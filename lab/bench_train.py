@@ -24,6 +24,7 @@ so a timeout keeps what finished.
     python -m lab.bench_train --allow-cpu --shapes tiny --out /tmp/bench_train.json   # this script
 """
 import argparse
+import gc
 import json
 import platform
 import time
@@ -186,7 +187,7 @@ def train_part(args, shape, device, peak):
         optimizer_seconds.append(time.perf_counter() - start)
         return out
 
-    optimizer.step = timed_step
+    optimizer.step = timed_step  # a reference cycle: main() collects it before the next part
     grad_flops = pass_flops(policy, args, len(prompts), backward=True)
     for checkpointing in (True, False):
         if checkpointing:  # as train.py turns it on
@@ -280,6 +281,7 @@ def main(argv=None):
         report["parts"][f"{part}/{shape}"] = result
         save()
         print(f"{part}/{shape}: {json.dumps(result)}", flush=True)
+        gc.collect()  # what this part allocated must not count in the next part's peaks
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return report

@@ -47,3 +47,4 @@ def test_flops_match_pytorchs_count(backward, one_thread):
     counted = counter.get_total_flops()
     assert bench_train.pass_flops(model, args, len(prompts), backward) == pytest.approx(counted,
                                                                                         rel=0.02)
+

@@ -333,6 +333,16 @@ def static_step(model, cache, state, span):
     take(model.lm_head(hidden[:, 0]).float(), state)
 
 
+@functools.cache
+def compiled_step():
+    """static_step compiled by torch.compile (Inductor on CUDA): its ~37 ops a layer fused into
+    fewer kernels, gpt-fast's recipe for a step whose kernels each cost more than their work (a
+    graphed SmolLM2 step: ~4 ms for ~0.1 ms of memory traffic, docs/benchmarks.md). The span is an
+    int: the first call of a new span recompiles it as a symbol, so a call compiles twice. Opt-in
+    (generate(compiled=True)) until a GPU measures it."""
+    return torch.compile(static_step, fullgraph=True)
+
+
 def capture(step, pool):
     """Run step() once, eagerly on a side stream (the warm-up CUDA graphs need: cuBLAS workspaces,
     kernel choices), then record it as a CUDA graph whose replay() is the next step. Why graphs pay
@@ -351,10 +361,12 @@ def capture(step, pool):
 
 
 @torch.no_grad()
-def static_decode(model, cache, logits, state, cuda_graphs=True):
+def static_decode(model, cache, logits, state, cuda_graphs=True, compiled=False):
     """The fixed-shape loop from the prefill's logits to the last token (or until every row is
-    done); on CUDA each distinct span's step is captured once and replayed (cuda_graphs)."""
+    done); on CUDA each distinct span's step is captured once and replayed (cuda_graphs), compiled
+    first with `compiled`."""
     max_len, max_new_tokens = cache.k.shape[2], state.uniforms.shape[1]
+    step_fn = compiled_step() if compiled else static_step
     take(logits, state)  # token 0, from the prefill
     graphs, pool = {}, None
     if cuda_graphs and cache.k.is_cuda:
@@ -367,11 +379,11 @@ def static_decode(model, cache, logits, state, cuda_graphs=True):
         span = (None if cache.flash else
                 min(-(-(max_len - max_new_tokens + step) // SPAN_BUCKET) * SPAN_BUCKET, max_len))
         if pool is None:
-            static_step(model, cache, state, span)
+            step_fn(model, cache, state, span)
         elif span in graphs:
             graphs[span].replay()
         else:
-            graphs[span] = capture(lambda: static_step(model, cache, state, span), pool)
+            graphs[span] = capture(lambda: step_fn(model, cache, state, span), pool)
     return state
 
 
@@ -418,13 +430,14 @@ def prefilled(model, prompts, max_new_tokens):
 
 @torch.no_grad()
 def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_token_id=None,
-             generator=None, static=None, cuda_graphs=True, max_rows=None):
+             generator=None, static=None, cuda_graphs=True, max_rows=None, compiled=False):
     """Sample one response per prompt (a list of token-id lists). `eos_token_id`: int, list or None
     (then exactly max_new_tokens tokens per row). `generator`: a torch.Generator on the model's
     device. `static`: decode with the fixed-shape loop (True) or by compaction (False); None picks
     the faster where the model is: fixed shape on CUDA, compaction on a CPU (docs/benchmarks.md).
     `cuda_graphs`: on CUDA, replay the fixed-shape step as a CUDA graph (False: eagerly, to
-    debug). `max_rows`: decode at most this many rows at a time (their KV cache is what takes the
+    debug); `compiled`: the fixed-shape step compiled first (compiled_step). `max_rows`: decode at
+    most this many rows at a time (their KV cache is what takes the
     memory: kv_bytes); every row still draws the uniforms of its own index, so the samples are
     those of one call, up to float rounding."""
     check_model(model)
@@ -454,8 +467,9 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_tok
     chunk = max_rows or num_rows
     for start in range(0, num_rows, chunk):
         rows = slice(start, start + chunk)  # views: decode_rows writes into the outputs
-        decode_rows(model, prompts[rows], uniforms[rows], eos, temperature, top_p, static,
-                    cuda_graphs, tokens_out[rows], logprobs_out[rows], lengths[rows])
+        decode_rows(model, prompts[rows], uniforms[rows], eos, temperature, top_p,
+                    static and dict(cuda_graphs=cuda_graphs, compiled=compiled),
+                    tokens_out[rows], logprobs_out[rows], lengths[rows])
 
     width = int(lengths.max())
     response_mask = (torch.arange(width, device=device) < lengths[:, None]).float()
@@ -466,15 +480,16 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_tok
     )
 
 
-def decode_rows(model, prompts, uniforms, eos, temperature, top_p, static, cuda_graphs,
-                tokens_out, logprobs_out, lengths):
-    """Prefill `prompts` and decode them to the end with one of the two loops, writing each row's
-    tokens, log-probs and response length into the (rows, T) / (rows,) outputs, in row order."""
+def decode_rows(model, prompts, uniforms, eos, temperature, top_p, static, tokens_out,
+                logprobs_out, lengths):
+    """Prefill `prompts` and decode them to the end, writing each row's tokens, log-probs and
+    response length into the (rows, T) / (rows,) outputs, in row order: by the fixed-shape loop
+    where `static` holds its options (cuda_graphs, compiled), else by compaction."""
     max_new_tokens = uniforms.shape[1]
     cache, logits, row_of_slot = prefilled(model, prompts, max_new_tokens)
     if static:
         state = new_decoding(uniforms[row_of_slot], eos, temperature, top_p)
-        static_decode(model, cache, logits, state, cuda_graphs)
+        static_decode(model, cache, logits, state, **static)
         # slot order -> row order
         tokens_out[row_of_slot], logprobs_out[row_of_slot] = state.tokens_out, state.logprobs_out
         lengths[row_of_slot] = state.lengths

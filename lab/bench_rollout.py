@@ -11,9 +11,10 @@ on an H100 (`--budget`): `python -m lab.bench_rollout --decode --out decode.json
 (its own weights when installed) and random-weight models in the shapes of Qwen2.5-1.5B and
 Qwen2.5-7B, at batch 64 and 256, bf16: ms per decode step with EOS off, (t(N2) - t(N1)) / (N2 - N1)
 of whole generate calls, median of 3 repeats with the samplers alternating: ours graphed (the
-fixed-shape step replayed as a CUDA graph), ours eager (the same step launched op by op), ours
-compaction (the CPU's loop), model.generate eager and with its static cache + torch.compile
-(SmolLM2 at batch 64 only: a compile per shape); beside each, the HBM floor, (weights + live KV
+fixed-shape step replayed as a CUDA graph), ours compiled (the same, the step compiled by
+torch.compile before the capture; SmolLM2 at batch 64 only), ours eager (the same step launched op
+by op), ours compaction (the CPU's loop), model.generate eager and with its static cache +
+torch.compile (SmolLM2 at batch 64 only: a compile per shape); beside each, the HBM floor, (weights + live KV
 bytes read per step) / the card's measured read bandwidth, and the fraction of it reached. Then
 useful tokens/s, greedy, EOS on, SmolLM2 (the same work for every sampler); and the fixed-shape
 loop under torch.cuda.set_sync_debug_mode("error"). The JSON is rewritten after each
@@ -64,6 +65,10 @@ decode.add_argument("--eos-tokens", type=int, help="max new tokens, EOS on (defa
 decode.add_argument("--hf-compiled", nargs="*", default=["smollm2-135m:64"], metavar="MODEL:BATCH",
                     help="where model.generate also runs with its static cache + torch.compile "
                          "(CUDA only; each shape compiles anew, a minute each)")
+decode.add_argument("--ours-compiled", nargs="*", default=["smollm2-135m:64"],
+                    metavar="MODEL:BATCH",
+                    help="where ours also runs with its step compiled by torch.compile before the "
+                         "capture (rollout.compiled_step; CUDA only; two compiles a shape)")
 decode.add_argument("--budget", type=float, default=390,
                     help="seconds: measurements not started by then are marked skipped")
 decode.add_argument("--out", default="decode.json", help="the JSON report")
@@ -272,7 +277,8 @@ def timed(fn, *fn_args):
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def decode_samplers(model, name, prompts, eos=None, temperature=1.0, compiled=False):
+def decode_samplers(model, name, prompts, eos=None, temperature=1.0, compiled=False,
+                    ours_compiled=False):
     """name -> fn(max_new_tokens, seed) for each sampler that runs here. EOS off: every row
     decodes max_new_tokens (model.generate: min_new_tokens); temperature 0: greedy."""
     cuda = DEVICE.type == "cuda"
@@ -280,10 +286,11 @@ def decode_samplers(model, name, prompts, eos=None, temperature=1.0, compiled=Fa
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=DEVICE)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=DEVICE)
 
-    def ours(static, graphs=True):
+    def ours(static, graphs=True, compiled_step=False):
         return lambda n, seed: generate(model, prompts, n, temperature=temperature,
                                         eos_token_id=eos, static=static, cuda_graphs=graphs,
-                                        generator=torch.Generator(DEVICE).manual_seed(seed))
+                                        generator=torch.Generator(DEVICE).manual_seed(seed),
+                                        compiled=compiled_step)
 
     def hf(**extra):
         sampling = (dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
@@ -296,6 +303,8 @@ def decode_samplers(model, name, prompts, eos=None, temperature=1.0, compiled=Fa
                                   eos_token_id=eos, pad_token_id=0, **length, **sampling, **extra)
         return run
     runs = {"ours graphed": ours(True)} if cuda else {}
+    if cuda and ours_compiled:
+        runs["ours compiled"] = ours(True, compiled_step=True)
     runs |= {"ours eager": ours(True, graphs=False), "ours compaction": ours(False),
              "hf eager": hf()}
     if cuda and compiled:
@@ -342,7 +351,8 @@ def step_part(name, rows, n1, n2, prompt_len, dtype, bandwidth, report, write):
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     prompts = torch.randint(10, vocab - 10, (rows, prompt_len), generator=generator).tolist()
-    runs = decode_samplers(model, name, prompts, compiled=f"{name}:{rows}" in args.hf_compiled)
+    runs = decode_samplers(model, name, prompts, compiled=f"{name}:{rows}" in args.hf_compiled,
+                           ours_compiled=f"{name}:{rows}" in args.ours_compiled)
     failed = []
     warmup = warm(runs, n1, n2, failed)
     span = prompt_len + (n1 + n2) / 2  # live slots of a row, averaged over the timed steps

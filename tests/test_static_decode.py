@@ -335,3 +335,27 @@ def test_bench_decode_runs_on_a_cpu(tmp_path):
     assert all(row["useful_tokens_per_s"] > 0 for row in report["eos_on"])
     assert report["syncs"]["ok"], report["syncs"]
     assert "floor" in result.stdout
+
+
+def test_the_compiled_step_plumbs_through_generate(monkeypatch):
+    """generate(compiled=True) runs compiled_step in the fixed-shape loop (traced here with the
+    eager backend: Inductor is for a GPU) and samples what the plain step samples; the compaction
+    loop ignores it."""
+    model = tiny_model("qwen3")
+    torch._dynamo.reset()
+    calls = []
+
+    def traced():
+        calls.append(1)
+        return torch.compile(rollout.static_step, fullgraph=True, backend="eager")
+    monkeypatch.setattr(rollout, "compiled_step", traced)
+
+    def run(compiled, static=True):
+        return rollout.generate(model, MIXED, 10, 1.0, 0.8, eos_token_id=[3], static=static,
+                                generator=torch.Generator().manual_seed(1), compiled=compiled)
+    plain, compiled = run(False), run(True)
+    assert calls == [1]
+    assert plain.response_ids == compiled.response_ids
+    torch.testing.assert_close(plain.token_logprobs, compiled.token_logprobs)
+    run(True, static=False)
+    assert calls == [1]

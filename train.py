@@ -302,6 +302,7 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
     logits = logits[pack_of_row[:, None].to(device), kept_column.to(device)]  # (B, T, vocab)
     logits = logits.float() if temperature == 1 else logits.float() / temperature  # no copy at 1
     logp_all = logits.log_softmax(-1)
+    del logits  # the entropy's (B, T, vocab) temporary takes its place: two such tensors at a time
     logp = logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
     if not entropy:
         return logp * response_mask, None

@@ -53,8 +53,8 @@ pi_ref is the base model; pi the same after N steps of no-KL RLOO training on `a
    against its exact expectation; with --layers whole, per biased row the model's cosine minus
    the layer's (paired); with --grad-tail, each truncated row's check.
 7. Chunks (lab/kl_chunks.py). Groups are sampled in chunks seeded by (--seed, distance, chunk) and
-   saved under --chunks as they finish, so a stopped run resumes, and more --groups extends it. Each chunk
-   records pi's hash and the machine (CPU, its flags, GPU): another kind of CPU trains another pi
+   saved under --chunks as they finish, so a stopped run resumes, and more --groups extends it. Each
+   chunk records pi's hash and the machine (CPU, its flags, GPU): another kind of CPU trains another pi
    (bf16 rounds differently), and chunks of another pi or machine are never pooled (refused).
 8. At scale (--batch-groups B > 1, GPUs). B groups in one pass: token_logprobs packs each group
    into one sequence, and a Linear's weight gradient is sum_l delta_l a_l^T, so per-pack products

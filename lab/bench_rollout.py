@@ -14,8 +14,9 @@ of whole generate calls, median of 3 repeats with the samplers alternating: ours
 fixed-shape step replayed as a CUDA graph), ours compiled (the same, the step compiled by
 torch.compile before the capture; SmolLM2 at batch 64 only), ours eager (the same step launched op
 by op), ours compaction (the CPU's loop), model.generate eager and with its static cache +
-torch.compile (SmolLM2 at batch 64 only: a compile per shape); beside each, the HBM floor, (weights + live KV
-bytes read per step) / the card's measured read bandwidth, and the fraction of it reached. Then
+torch.compile (SmolLM2 at batch 64 only: a compile per shape); beside each, the HBM floor,
+(weights + live KV bytes read per step) / the card's measured read bandwidth, and the fraction of it
+reached. Then
 useful tokens/s, greedy, EOS on, SmolLM2 (the same work for every sampler); and the fixed-shape
 loop under torch.cuda.set_sync_debug_mode("error"). The JSON is rewritten after each
 measurement, so a timeout keeps what finished. `--allow-cpu` runs it on a CPU, at tiny shapes

@@ -13,6 +13,8 @@ memory do not depend on the weights), through the trainer's own functions:
 - nograd: the 3B and 7B shapes, where a policy with AdamW does not fit one card: one no-grad pass.
 - precision: the no-grad pass at the 1.5B shape in fp32, fp32 with TF32 matmuls, bf16 and fp16
   autocast (fp32 accumulation), each timed (their KL floors: lab/kl_floor.py --device cuda).
+- attention_ops_*: the attention ops one group's passes dispatch (AttentionOps), which says which SDPA
+  kernel runs under the packed block mask, or whether the math fallback builds the L x L scores.
 MFU is model FLOPs over time over the card's dense bf16 peak: 2 FLOPs a weight a position forward
 (6 with the backward; the recomputation of activation checkpointing is not counted, as is usual),
 plus attention's 4 L^2 d a layer forward over every pair the dense mask lets through, on the
@@ -31,6 +33,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import rollout
 import runtime
@@ -130,6 +133,30 @@ def pass_flops(model, args, num_rows, backward):
     return 3 * forward if backward else forward
 
 
+class AttentionOps(TorchDispatchMode):
+    """The aten ops of attention a pass dispatches: which SDPA kernel PyTorch picked (flash,
+    efficient, cudnn, the CPU's), or the math fallback's bmm and softmax over the L x L scores."""
+
+    WORDS = ("scaled_dot_product", "attention", "softmax", "bmm")
+
+    def __enter__(self):
+        self.ops = set()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if any(word in name for word in self.WORDS):
+            self.ops.add(name)
+        return func(*args, **(kwargs or {}))
+
+
+def attention_ops(fn, *args, **kwargs):
+    """The sorted attention ops of fn(*args, **kwargs) (see AttentionOps)."""
+    with AttentionOps() as mode:
+        fn(*args, **kwargs)
+    return sorted(mode.ops)
+
+
 def mfu(flops, seconds, peak):
     return None if peak is None else flops / seconds / peak
 
@@ -162,8 +189,9 @@ def train_part(args, shape, device, peak):
 
     forward_flops = pass_flops(policy, args, len(prompts), backward=False)
     warm = slice(0, args.group_size)  # one group first: kernels chosen, memory pools grown
-    train.no_grad_logprobs(policy, prompts[warm], responses[warm], mask[warm], 1.0, torch.float32,
-                           args.micro_batch)
+    result["attention_ops_nograd"] = attention_ops(
+        train.no_grad_logprobs, policy, prompts[warm], responses[warm], mask[warm], 1.0,
+        torch.float32, args.micro_batch)
     for name, model in (("policy_nograd", policy), ("reference_nograd", reference)):
         (logp, _), seconds, memory = timed(device, train.no_grad_logprobs, model, prompts,
                                            responses, mask, 1.0, torch.float32, args.micro_batch,
@@ -189,6 +217,12 @@ def train_part(args, shape, device, peak):
 
     optimizer.step = timed_step  # a reference cycle: main() collects it before the next part
     grad_flops = pass_flops(policy, args, len(prompts), backward=True)
+    with AttentionOps() as mode:  # the gradient pass's attention, forward and backward, one group
+        logp_warm, _ = train.token_logprobs(policy, prompts[warm], responses[warm], mask[warm], 1.0,
+                                            dtype)
+        logp_warm.sum().backward()
+    result["attention_ops_gradient"] = sorted(mode.ops)
+    policy.zero_grad(set_to_none=True)
     for checkpointing in (True, False):
         if checkpointing:  # as train.py turns it on
             getattr(policy, "activation_checkpointing_enable",
@@ -223,8 +257,9 @@ def nograd_part(args, shape, device, peak, precisions=("float32", "bfloat16")):
     result = {"shape": shape, "params": sum(p.numel() for p in model.parameters()),
               "rows": len(prompts)}
     warm = slice(0, args.group_size)  # one group first: kernels chosen, memory pools grown
-    train.no_grad_logprobs(model, prompts[warm], responses[warm], mask[warm], 1.0, torch.float32,
-                           args.micro_batch)
+    result["attention_ops_float32"] = attention_ops(
+        train.no_grad_logprobs, model, prompts[warm], responses[warm], mask[warm], 1.0,
+        torch.float32, args.micro_batch)
     for precision in precisions:
         tf32 = precision == "tf32"
         dtype = torch.float32 if tf32 else getattr(torch, precision)

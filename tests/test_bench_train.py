@@ -27,6 +27,8 @@ def test_every_part_reports_on_a_cpu(tmp_path, one_thread):
         update = train_part[f"update_checkpointing_{on}"]
         assert update["gradient_pass_s"] + update["optimizer_s"] == pytest.approx(update["s"])
     assert 0 < train_part["nograd_share_of_training"] < 1
+    for passes in ("attention_ops_nograd", "attention_ops_gradient"):  # which SDPA kernel ran
+        assert any("scaled_dot_product" in op for op in train_part[passes]), train_part[passes]
     assert {"float32", "tf32", "bfloat16"} <= {k for k, v in precision.items()
                                                if isinstance(v, dict) and v.get("s")}
 

@@ -15,6 +15,9 @@ memory do not depend on the weights), through the trainer's own functions:
   autocast (fp32 accumulation), each timed (their KL floors: lab/kl_floor.py --device cuda).
 - attention_ops_*: the attention ops one group's passes dispatch (AttentionOps), which says which SDPA
   kernel runs under the packed block mask, or whether the math fallback builds the L x L scores.
+- attention: at the 1.5B shape, the no-grad and the gradient pass with the block mask (train.py's) and
+  by segments (lab/segment_attention.py, computing only the pairs the mask allows), timed, with peak
+  memory and the log-probs' largest difference.
 MFU is model FLOPs over time over the card's dense bf16 peak: 2 FLOPs a weight a position forward
 (6 with the backward; the recomputation of activation checkpointing is not counted, as is usual),
 plus attention's 4 L^2 d a layer forward over every pair the dense mask lets through, on the
@@ -26,6 +29,7 @@ so a timeout keeps what finished.
     python -m lab.bench_train --allow-cpu --shapes tiny --out /tmp/bench_train.json   # this script
 """
 import argparse
+import contextlib
 import gc
 import json
 import platform
@@ -62,8 +66,8 @@ PRECISIONS = ("float32", "tf32", "bfloat16", "float16")
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--out", default="bench_train.json", help="the JSON report")
-parser.add_argument("--parts", nargs="+", default=["train", "nograd", "precision"],
-                    choices=("train", "nograd", "precision"))
+parser.add_argument("--parts", nargs="+", default=["train", "nograd", "precision", "attention"],
+                    choices=("train", "nograd", "precision", "attention"))
 parser.add_argument("--shapes", nargs="+", default=["0.5B", "1.5B", "3B", "7B"], choices=SHAPES,
                     help="train uses those up to 1.5B (and tiny), nograd the larger ones, "
                          "precision the 1.5B (or the largest train shape given)")
@@ -278,6 +282,50 @@ def nograd_part(args, shape, device, peak, precisions=("float32", "bfloat16")):
     return result
 
 
+def attention_part(args, shape, device, peak):
+    """The packed passes with the block mask (train.py's) and by segments (lab.segment_attention):
+    the fp32 no-grad pass and the gradient pass (forward and backward in the compute dtype, no
+    optimizer), each timed with its peak memory and attention ops, and the log-probs' largest
+    difference."""
+    from lab import segment_attention
+
+    dtype = runtime.compute_dtype("auto", device)
+    model = build(shape, device)
+    prompts, responses, mask = batch_of(args, model.config.vocab_size, device)
+    result = {"shape": shape, "rows": len(prompts)}
+    logps = {}
+
+    def gradient_pass():
+        for start, size in zip(*micro_batch_starts(prompts, args.micro_batch)):
+            rows = slice(start, start + size)
+            logp, _ = train.token_logprobs(model, prompts[rows], responses[rows], mask[rows], 1.0,
+                                           dtype)
+            logp.sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    for name, context in (("block_mask", contextlib.nullcontext),
+                          ("segments", lambda: segment_attention.segments(model))):
+        with context():
+            warm = slice(0, args.group_size)
+            ops = attention_ops(train.no_grad_logprobs, model, prompts[warm], responses[warm],
+                                mask[warm], 1.0, torch.float32, args.micro_batch)
+            (logps[name], _), nograd_s, nograd_peak = timed(
+                device, train.no_grad_logprobs, model, prompts, responses, mask, 1.0,
+                torch.float32, args.micro_batch)
+            _, grad_s, grad_peak = timed(device, gradient_pass)
+        result[name] = {"nograd_s": nograd_s, "nograd_peak_bytes": nograd_peak,
+                        "gradient_pass_s": grad_s, "gradient_peak_bytes": grad_peak,
+                        "attention_ops_nograd": ops}
+    result["max_abs_logp_difference"] = (logps["block_mask"] - logps["segments"]).abs().max().item()
+    return result
+
+
+def micro_batch_starts(prompts, micro_batch):
+    """(starts, sizes) of train.micro_batch_sizes' micro-batches."""
+    sizes = train.micro_batch_sizes(prompts, micro_batch)
+    return [sum(sizes[:i]) for i in range(len(sizes))], sizes
+
+
 def machine(device):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     peak = next((flops for word, flops in BF16_PEAK.items() if word in name), None)
@@ -304,6 +352,8 @@ def main(argv=None):
     jobs = [("train", s, train_part) for s in small] + [("nograd", s, nograd_part) for s in large]
     if "precision" in args.parts and small:
         jobs.append(("precision", small[-1], lambda a, s, d, p: nograd_part(a, s, d, p, PRECISIONS)))
+    if "attention" in args.parts and small:
+        jobs.append(("attention", small[-1], attention_part))
     for part, shape, run in jobs:
         if part not in args.parts:
             continue

@@ -29,6 +29,9 @@ def test_every_part_reports_on_a_cpu(tmp_path, one_thread):
     assert 0 < train_part["nograd_share_of_training"] < 1
     for passes in ("attention_ops_nograd", "attention_ops_gradient"):  # which SDPA kernel ran
         assert any("scaled_dot_product" in op for op in train_part[passes]), train_part[passes]
+    attention = report["parts"]["attention/tiny"]  # block mask against segments: the same log-probs
+    assert "error" not in attention and attention["max_abs_logp_difference"] < 1e-5
+    assert all(attention[way]["nograd_s"] > 0 for way in ("block_mask", "segments"))
     assert {"float32", "tf32", "bfloat16"} <= {k for k, v in precision.items()
                                                if isinstance(v, dict) and v.get("s")}
 

@@ -46,6 +46,7 @@ The exact variant:
 """
 import functools
 import importlib.util
+import math
 import sys
 from dataclasses import dataclass
 
@@ -402,7 +403,7 @@ def prefilled(model, prompts, max_new_tokens):
     first, so neighbouring slots have similar lengths; identical prompts share one prefill (the
     distinct ones, also longest first, take the first slots), copied to each of their slots.
     Returns (cache, next-token logits (rows, V) in slot order, row_of_slot (rows,))."""
-    config, param = model.config, next(model.parameters())
+    param = next(model.parameters())
     device = param.device
     distinct = sorted(dict.fromkeys(map(tuple, prompts)), key=len, reverse=True)
     index = {prompt: i for i, prompt in enumerate(distinct)}
@@ -410,9 +411,7 @@ def prefilled(model, prompts, max_new_tokens):
     source = torch.tensor([index[tuple(prompts[row])] for row in slot_rows], device=device)
 
     num_rows, max_prompt = len(prompts), max(len(p) for p in prompts)
-    head_dim = model.model.layers[0].self_attn.head_dim
-    shape = (config.num_hidden_layers, num_rows, max_prompt + max_new_tokens,
-             config.num_key_value_heads, head_dim)
+    shape = cache_shape(model, num_rows, max_prompt + max_new_tokens)
     cache = KVCache(
         # zeros: masked slots must not be NaN
         k=torch.zeros(shape, dtype=param.dtype, device=device),
@@ -437,9 +436,9 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_tok
     the faster where the model is: fixed shape on CUDA, compaction on a CPU (docs/benchmarks.md).
     `cuda_graphs`: on CUDA, replay the fixed-shape step as a CUDA graph (False: eagerly, to
     debug); `compiled`: the fixed-shape step compiled first (compiled_step). `max_rows`: decode at
-    most this many rows at a time (their KV cache is what takes the
-    memory: kv_bytes); every row still draws the uniforms of its own index, so the samples are
-    those of one call, up to float rounding."""
+    most this many rows at a time (their KV cache is what takes the memory: kv_bytes); every row
+    still draws the uniforms of its own index, so the samples are those of one call, up to float
+    rounding."""
     check_model(model)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
@@ -467,9 +466,8 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_tok
     chunk = max_rows or num_rows
     for start in range(0, num_rows, chunk):
         rows = slice(start, start + chunk)  # views: decode_rows writes into the outputs
-        decode_rows(model, prompts[rows], uniforms[rows], eos, temperature, top_p,
-                    static and dict(cuda_graphs=cuda_graphs, compiled=compiled),
-                    tokens_out[rows], logprobs_out[rows], lengths[rows])
+        decode_rows(model, prompts[rows], uniforms[rows], eos, temperature, top_p, static,
+                    cuda_graphs, compiled, tokens_out[rows], logprobs_out[rows], lengths[rows])
 
     width = int(lengths.max())
     response_mask = (torch.arange(width, device=device) < lengths[:, None]).float()
@@ -480,16 +478,16 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_tok
     )
 
 
-def decode_rows(model, prompts, uniforms, eos, temperature, top_p, static, tokens_out,
-                logprobs_out, lengths):
-    """Prefill `prompts` and decode them to the end, writing each row's tokens, log-probs and
-    response length into the (rows, T) / (rows,) outputs, in row order: by the fixed-shape loop
-    where `static` holds its options (cuda_graphs, compiled), else by compaction."""
+def decode_rows(model, prompts, uniforms, eos, temperature, top_p, static, cuda_graphs, compiled,
+                tokens_out, logprobs_out, lengths):
+    """Prefill `prompts` and decode them to the end, by the fixed-shape loop (static) or by
+    compaction, writing each row's tokens, log-probs and response length into the (rows, T) /
+    (rows,) outputs, in row order."""
     max_new_tokens = uniforms.shape[1]
     cache, logits, row_of_slot = prefilled(model, prompts, max_new_tokens)
     if static:
         state = new_decoding(uniforms[row_of_slot], eos, temperature, top_p)
-        static_decode(model, cache, logits, state, **static)
+        static_decode(model, cache, logits, state, cuda_graphs, compiled)
         # slot order -> row order
         tokens_out[row_of_slot], logprobs_out[row_of_slot] = state.tokens_out, state.logprobs_out
         lengths[row_of_slot] = state.lengths
@@ -511,10 +509,15 @@ def decode_rows(model, prompts, uniforms, eos, temperature, top_p, static, token
         logits = decode(model, tokens, cache)
 
 
+def cache_shape(model, num_rows, max_len):
+    """The shape of the K (and of the V) cache: (layers, rows, slots, kv_heads, head_dim)."""
+    config = model.config
+    return (config.num_hidden_layers, num_rows, max_len, config.num_key_value_heads,
+            model.model.layers[0].self_attn.head_dim)
+
+
 def kv_bytes(model, num_rows, max_len):
     """Bytes of the KV cache prefilled() allocates for num_rows rows of max_len slots (K and V,
     every layer, in the model's dtype)."""
-    config, param = model.config, next(model.parameters())
-    head_dim = model.model.layers[0].self_attn.head_dim
-    return (2 * config.num_hidden_layers * num_rows * max_len * config.num_key_value_heads
-            * head_dim * param.element_size())
+    return 2 * math.prod(cache_shape(model, num_rows, max_len)) * next(
+        model.parameters()).element_size()

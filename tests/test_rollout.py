@@ -52,6 +52,20 @@ def tiny_model(family):
 FAMILIES = ["llama3", "qwen2", "qwen3"]
 
 
+def assert_cut_at_eos(out, free, eos):
+    """Each row of `out` (sampled with EOS ids `eos`) is its EOS-free sample `free` cut after its
+    first EOS, log-probs included, and 4 or more rows stopped early; returns the cuts."""
+    cuts = []
+    for row, response in enumerate(free.response_ids):
+        cut = next((i + 1 for i, token in enumerate(response) if token in eos), len(response))
+        cuts.append(cut)
+        assert out.response_ids[row] == response[:cut]
+        assert out.logprobs[row] == pytest.approx(free.logprobs[row][:cut], abs=1e-5)
+    assert sum(cut < len(r) for cut, r in zip(cuts, free.response_ids)) >= 4, \
+        "the test needs rows that stop early"
+    return cuts
+
+
 def lively(model):
     """The model with its matrices 6x Hugging Face's initial scale (Qwen3's q/k norms 3x): sharp
     attention, so greedy rows change token as they grow and depend on what each query sees (at the
@@ -253,13 +267,7 @@ def test_sampled_eos_and_max_new_tokens(model):
     assert free.tokens.shape == (len(PROMPTS) * 4, 14) and free.response_mask.all()
     eos = sorted(range(VOCAB), key=lambda t: -sum(t in row for row in free.response_ids))[:2]
     out = run(eos)
-    stopped = 0
-    for row, response in enumerate(free.response_ids):
-        cut = next((i + 1 for i, token in enumerate(response) if token in eos), len(response))
-        stopped += cut < 14
-        assert out.response_ids[row] == response[:cut]
-        assert out.logprobs[row] == pytest.approx(free.logprobs[row][:cut], abs=1e-5)
-    assert stopped >= 4, "the test needs rows that stop early"
+    assert_cut_at_eos(out, free, eos)
     out = generate(model, PROMPTS, max_new_tokens=1, temperature=1.0)
     assert out.tokens.shape == (len(PROMPTS), 1) and out.response_mask.all()
 

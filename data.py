@@ -16,6 +16,7 @@ a problem.
 """
 import json
 import random
+import sys
 import zlib
 
 from hub import require_hub
@@ -127,8 +128,10 @@ def math2_row(row):
 
 def read_jsonl(path):
     """Examples from a local .jsonl file; a malformed row raises ValueError naming the file
-    and line."""
-    examples = []
+    and line. A problem whose answer is an empty string has nothing to grade it by: it is skipped,
+    and a line on stderr names it (as the hub's MATH skips solutions without a box; the offline
+    MATH-train file has two such rows)."""
+    examples, ungraded = [], []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -137,7 +140,16 @@ def read_jsonl(path):
                 row = json.loads(line)
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({error.msg})") from None
+            if isinstance(row, dict) and "problem" in row and row.get("answer") == "":
+                ungraded.append(lineno)
+                continue
             examples.append(to_example(row, f"{path}:{lineno}"))
+    if ungraded:
+        print(f"{path}: skipped {len(ungraded)} row(s) with an empty answer, line(s) "
+              f"{', '.join(map(str, ungraded[:10]))}{' ...' if len(ungraded) > 10 else ''}",
+              file=sys.stderr)
+    if not examples:
+        raise ValueError(f"{path}: no gradable rows")
     return examples
 
 

@@ -74,9 +74,16 @@ def rows_that_fit(sampler, prompts, max_new_tokens):
     device = next(sampler.parameters()).device
     if device.type != "cuda":
         return None
-    free, _ = torch.cuda.mem_get_info(device)
     per_row = rollout.kv_bytes(sampler, 1, max(map(len, prompts)) + max_new_tokens)
-    return max(1, int(KV_SHARE * free // per_row))
+    return max(1, int(KV_SHARE * cuda_free_for_tensors(device) // per_row))
+
+
+def cuda_free_for_tensors(device):
+    """Bytes a new tensor may take on the GPU: what the driver has free, plus what PyTorch's caching
+    allocator holds unused (the last training pass's temporaries, which it frees and retries with
+    before it runs out of memory), lab/memory_plan.py's premise."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def logprob_dtype(name, device):

@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
@@ -127,8 +128,9 @@ group.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling: training takes only 1.0, the distribution its log-probs "
                         "are under")
 group.add_argument("--generate-rows", type=int, default=0,
-                   help="rows one generate call decodes at a time, the same samples (0 = auto: as "
-                        "many as fit their KV cache in half the GPU memory free; all on a CPU)")
+                   help="rows one generate call decodes at a time, sampling and --eval-every's "
+                        "evaluation, the same samples (0 = auto: as many as fit their KV cache in "
+                        "half the GPU memory free; all on a CPU)")
 group = parser.add_argument_group("model and data")
 group.add_argument("--model", default="smollm2-135m",
                    help="policy and reference: a hub id, a save_pretrained directory, "
@@ -339,6 +341,8 @@ def no_grad_logprobs(model, prompts, responses, response_mask, temperature, dtyp
             rows, start = slice(start, start + size), start + size
             parts.append(token_logprobs(model, prompts[rows], responses[rows], response_mask[rows],
                                         temperature, dtype, entropy))
+    if isinstance(model, FSDPModule):  # FSDP2 keeps a root gathered after a forward until its
+        model.reshard()  # backward, which a no-grad pass never runs (4.4 GB a rank at 7B)
     logp, entropies = zip(*parts)
     return torch.cat(logp), torch.cat(entropies) if entropy else None
 
@@ -377,7 +381,7 @@ def evaluate_pass1(args, sampler, tokenizer, eval_sets, batch_size, rank, world_
         result, _ = evaluate(sampler, tokenizer, examples, samples=1,
                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_p=args.top_p, batch_size=batch_size, seed=args.seed, rank=rank,
-                             world_size=world_size)
+                             world_size=world_size, generate_rows=args.generate_rows)
         row.update({f"eval/{Path(name).stem}/{key}": result[key]
                     for key in ("accuracy", "stderr", "pass@1", "n")})
     return row

@@ -313,3 +313,14 @@ def test_logprob_dtype_auto_is_the_rules_pick_on_cuda_and_fp32_on_a_cpu(monkeypa
     assert runtime.logprob_dtype("auto", cpu) == torch.float32
     assert runtime.logprob_dtype("float32", cuda) == torch.float32
     assert runtime.logprob_dtype("bfloat16", cpu) == torch.bfloat16
+
+
+def test_generate_rows_auto_counts_the_allocators_unused_memory_as_free(monkeypatch):
+    """After a training pass PyTorch's caching allocator keeps its temporaries' memory reserved:
+    the driver reports it used, yet a new KV cache can take it. --generate-rows auto counts it
+    (else each step after the first samples fewer rows a call than the memory allows)."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 60 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 35 * gib)
+    assert runtime.cuda_free_for_tensors(CUDA) == 35 * gib

@@ -1,6 +1,5 @@
 """Tests of data.py: every task loads offline (hub tasks through a mocked hub call with rows in the
 hub's format) and renders a prompt; local .jsonl files; procedural splits; score() dispatch."""
-import importlib.util
 import json
 from pathlib import Path
 
@@ -134,7 +133,7 @@ def test_local_jsonl_fixtures():
     ('{"question": "q"}', "expected keys"),
     ('{"problem": "p"}', "expected keys"),
     ('{"problem": "", "answer": "1"}', "'problem'"),
-    ('{"problem": "p", "answer": ""}', "'answer'"),
+    ('{"problem": "p", "answer": "  "}', "'answer'"),
     ('{"problem": "p", "answer": null}', "'answer'"),
     ('{"question": "q", "choices": ["a", "b", "c", "d"], "answer": 4}', "'answer'"),
     ('{"question": "q", "choices": ["a", "b", "c", "d"], "answer": "E"}', "'answer'"),
@@ -147,10 +146,24 @@ def test_malformed_jsonl_names_file_and_line(tmp_path, line, message):
         data.load_task(str(path))
 
 
-def test_real_local_files():
+def test_a_problem_with_an_empty_answer_is_skipped_and_named(tmp_path, capsys):
+    """Nothing grades it: skipped, its line named on stderr (the offline MATH-train file has two,
+    and refusing them refused docs/gpu.md's offline recipe); a file of nothing else is an error."""
+    path = tmp_path / "math.jsonl"
+    path.write_text('{"problem": "1 + 1?", "answer": "2"}\n{"problem": "p", "answer": ""}\n')
+    assert [e["answer"] for e in data.load_task(str(path))] == ["2"]
+    assert "skipped 1 row(s) with an empty answer, line(s) 2" in capsys.readouterr().err
+    path.write_text('{"problem": "p", "answer": ""}\n')
+    with pytest.raises(ValueError, match="no gradable rows"):
+        data.load_task(str(path))
+
+
+def test_real_local_files(capsys):
     if not DATA.is_dir():
         pytest.skip(f"{DATA} not found (real data lives outside the repo)")
     assert len(data.load_task(str(DATA / "math500.jsonl"))) == 500
+    assert len(data.load_task(str(DATA / "math_train.jsonl"))) == 11_998  # 12,000 rows, 2 no answer
+    assert "line(s) 1166, 8126" in capsys.readouterr().err
     biology = data.load_task(str(DATA / "mmlu_college_biology.jsonl"))
     assert len(biology) == 144 and all(e["answer"] in "ABCD" for e in biology)
     assert all(e["subject"] == "college_biology" for e in biology)

@@ -260,3 +260,26 @@ def test_each_seed_draws_its_own_samples(tmp_path, smollm2_tokenizer, tiny_llama
     assert len({evaluation.batch_seed(seed, b) for seed in range(8) for b in range(64)}) == 8 * 64
     with pytest.raises(ValueError, match="0-4095"):
         evaluation.batch_seed(4096, 0)
+
+
+def test_generate_rows_decodes_a_batch_in_chunks_with_the_same_samples(
+        tmp_path, smollm2_tokenizer, tiny_llama, one_thread, monkeypatch):
+    """generate_rows=2 (train.py's --generate-rows, which --eval-every's evaluation now follows:
+    it sampled a whole batch, every row of a step, in one call): each generate call gets max_rows=2,
+    and the completions are those of whole-batch calls."""
+    tokenizer = smollm2_tokenizer
+    model = tiny_llama(len(tokenizer), eos_token_id=tokenizer.eos_token_id).eval()
+    task = tmp_path / "task.jsonl"
+    task.write_text("".join(json.dumps(row) + "\n" for row in TASK_ROWS[:3]))
+    examples = evaluation.data.load_task(str(task), split="test")
+    generate, max_rows = evaluation.generate, []
+
+    def recorded(*args, **kwargs):
+        max_rows.append(kwargs.get("max_rows"))
+        return generate(*args, **kwargs)
+    monkeypatch.setattr(evaluation, "generate", recorded)
+    draws = {rows: evaluation.evaluate(model, tokenizer, examples, samples=2, max_new_tokens=6,
+                                       batch_size=4, generate_rows=rows)[1]
+             for rows in (None, 2)}
+    assert max_rows == [None, None, 2, 2]
+    assert ([r["completion"] for r in draws[2]] == [r["completion"] for r in draws[None]])

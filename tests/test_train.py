@@ -955,3 +955,42 @@ def test_the_recipes_in_docs_gpu_md_parse(monkeypatch):
         args = trainer.parser.parse_args(argv)
         assert trainer.check_flags(args, world_size) is None, (argv, trainer.check_flags(
             args, world_size))
+
+
+def test_a_no_grad_pass_leaves_an_fsdp_model_resharded(tiny_llama, tmp_path):
+    """FSDP2 keeps a root's weights (embeddings, output layer) gathered after its forward until its
+    backward; the reference never runs one, so without train.no_grad_logprobs's reshard its root
+    stayed gathered for the whole run (4.4 GB a rank at 7B). One process, gloo."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    import runtime
+    import train
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1)
+    try:
+        model = runtime.shard(tiny_llama(vocab_size=50).requires_grad_(False))
+        responses = torch.randint(1, 50, (2, 5))
+        train.no_grad_logprobs(model, [[1, 2, 3]] * 2, responses, torch.ones(2, 5), 1.0,
+                               torch.float32, micro_batch=2)
+        weights = [model.model.embed_tokens.weight, model.lm_head.weight,
+                   model.model.layers[0].mlp.up_proj.weight]
+        assert all(isinstance(weight, DTensor) for weight in weights), [type(w) for w in weights]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_evaluation_of_eval_every_follows_generate_rows(tiny, tmp_path):
+    """--eval-every's evaluation decodes a batch of a step's rows (len(prompts)): with
+    --generate-rows 3 each of its generate calls takes 3 rows at a time too (it took them all)."""
+    import eval as evaluation
+
+    generate, calls = evaluation.generate, []
+
+    def recorded(model, prompts, *args, max_rows=None, **kwargs):
+        calls.append((len(prompts), max_rows))
+        return generate(model, prompts, *args, max_rows=max_rows, **kwargs)
+    train(flags(tiny, tmp_path, "--steps", "1", "--eval-every", "1", "--eval-limit", "5",
+                "--generate-rows", "3", *SGD), eval__generate=recorded)
+    assert calls and all(rows == 3 for _, rows in calls) and max(n for n, _ in calls) > 3, calls

@@ -15,9 +15,10 @@ Per rank, in each phase of a step (GB = 1e9 bytes); the phase's peak is its sum:
   the KV cache of one generate call at the longest prompt (its rows: --generate-rows, or as
   runtime.rows_that_fit picks them from --gpu-gb), the rollout's outputs, and the larger transient
   of a prefill bucket and of a decode step (logits, probabilities and a float64 CDF over the vocab).
-- no-grad passes: the fp32 log-prob pass of one micro-batch, with the entropy (the policy's pass;
-  the reference's has none), and under FSDP the weights it gathers (the root: embeddings, norm and
-  output layer, for the whole pass; two decoder layers, one computing and one prefetched).
+- no-grad passes: the log-prob pass (in --logprob-dtype) of one micro-batch, with the entropy (the
+  policy's pass; the reference's has none), and under FSDP the weights it gathers (the root:
+  embeddings, norm and output layer, for the whole pass; two decoder layers, one computing and one
+  prefetched).
 - gradient pass: the gradients (fp32), the gathers (and a layer's unsharded gradients before their
   reduce-scatter), and one micro-batch's forward and backward in the compute dtype.
 - AdamW step: the gradients and AdamW's temporary (torch's foreach kernel on CUDA: the square root
@@ -230,17 +231,19 @@ def traced_sampling(config, dtype, rows, distinct, prompt_tokens, max_new_tokens
                 traced(lambda: rollout.static_step(model, cache, state, span=slots)))
 
 
-def traced_passes(config, prompts, max_new_tokens, dtype, checkpointing):
+def traced_passes(config, prompts, max_new_tokens, dtype, checkpointing,
+                  logprob_dtype=torch.float32):
     """(no-grad pass peak, gradient pass peak without its parameter gradients), bytes, of one
     micro-batch of `prompts` with responses of max_new_tokens tokens, traced on fake tensors: the
-    no-grad pass in fp32 with the entropy, the gradient pass under autocast to `dtype`."""
+    no-grad pass in `logprob_dtype` with the entropy, the gradient pass under autocast to
+    `dtype`."""
     responses = torch.zeros(len(prompts), max_new_tokens, dtype=torch.long)
     mask = torch.ones(len(prompts), max_new_tokens)
     with real_layout(), FakeTensorMode(allow_non_fake_inputs=True):
         model = fake_model(config, torch.float32)
         with torch.no_grad():
             nograd = traced(lambda: train.token_logprobs(model, prompts, responses, mask, 1.0,
-                                                         torch.float32, entropy=True))
+                                                         logprob_dtype, entropy=True))
         model.requires_grad_(True)
         if checkpointing:
             getattr(model, "activation_checkpointing_enable",  # as train.py turns it on
@@ -297,8 +300,9 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
                for _ in range(flags.group_size)][:rows]
     sizes = train.micro_batch_sizes(prompts, flags.micro_batch)
     micro = max(sizes)
+    logprob_dtype = runtime.logprob_dtype(flags.logprob_dtype, torch.device(device))
     nograd, grad_pass = traced_passes(config, prompts[:micro], flags.max_new_tokens, dtype,
-                                      flags.grad_checkpointing)
+                                      flags.grad_checkpointing, logprob_dtype)
     gathers = {}
     if fsdp and nproc > 1:
         gathers = {"FSDP: the root and two decoder layers gathered, fp32": 4 * (root + 2 * layer)}

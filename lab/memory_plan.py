@@ -31,10 +31,12 @@ op and is not in the trace (docs/gpu.md compares the trace with the peaks an H20
 Host memory per node: each rank builds the fp32 model on its host (policy, then reference, one at a
 time) before moving or sharding it.
 
---measure checks the plan against a real run on this CPU: `torchrun train.py` (gloo) with the same
-flags and no stop token (every response at full length), each rank's peak resident memory per phase
-read from /proc (VmHWM, reset at each phase's start) above its level before the model loaded, with
-tensors of 64 KiB or more in pages of their own (MALLOC_MMAP_THRESHOLD_), returned when freed.
+--measure checks the plan against a real run on this machine: `torchrun train.py` with the same
+flags and no stop token (every response at full length), each rank's peak per phase above its level
+before the model loaded. On a CPU (gloo) the resident memory read from /proc (VmHWM, reset at each
+phase's start), with tensors of 64 KiB or more in pages of their own (MALLOC_MMAP_THRESHOLD_),
+returned when freed; on CUDA the bytes of the tensors allocated (max_memory_allocated, reset alike),
+the plan then made for CUDA (give --gpu-gb the card's size, or --generate-rows).
 """
 import argparse
 import contextlib
@@ -91,8 +93,8 @@ group.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="where the run computes (cpu: the compute dtype and kernels of this CPU)")
 group = parser.add_argument_group("what to print")
 group.add_argument("--measure", action="store_true",
-                   help="also run train.py on this CPU (torchrun --nproc_per_node NPROC, gloo, "
-                        "--steps 2) and print each phase's measured peak beside the plan")
+                   help="also run train.py here (torchrun --nproc_per_node NPROC, --steps 2) "
+                        "and print each phase's measured peak beside the plan")
 group.add_argument("--recipes", action="store_true",
                    help="print docs/gpu.md's memory table instead: each row's recipe planned "
                         "(prompts in the embedded model's tokens: the same table anywhere)")
@@ -398,17 +400,26 @@ def resident_bytes(key):
 
 
 class Phases:
-    """Each phase's peak resident memory above `base`: a phase's start resets the peak (VmHWM) and
-    its end (or a phase nested in it) reads it; the outer phase goes on after a nested one ends."""
+    """Each phase's peak memory above `base`: a phase's start resets the peak and its end (or a
+    phase nested in it) reads it; the outer phase goes on after a nested one ends. On a CPU the
+    process's resident memory (VmHWM, reset through clear_refs), on CUDA the tensors' bytes
+    (max_memory_allocated)."""
 
-    def __init__(self):
-        self.base, self.peaks, self.open = None, {}, []
+    def __init__(self, cuda):
+        self.cuda, self.base, self.peaks, self.open = cuda, None, {}, []
+
+    def now(self):
+        return torch.cuda.memory_allocated() if self.cuda else resident_bytes("VmRSS")
 
     def flush(self):
         if self.open:
             name = self.open[-1]
-            self.peaks[name] = max(self.peaks.get(name, 0), resident_bytes("VmHWM") - self.base)
-        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+            peak = torch.cuda.max_memory_allocated() if self.cuda else resident_bytes("VmHWM")
+            self.peaks[name] = max(self.peaks.get(name, 0), peak - self.base)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
 
     def wrap(self, name, function):
         def wrapped(*args, **kwargs):
@@ -425,13 +436,13 @@ class Phases:
 def measure_worker(out, argv):
     """train.main(argv) with no stop ids, each phase's peak resident memory written to
     OUT/rank{RANK}.json (what --measure launches in each process)."""
-    phases = Phases()
+    phases = Phases(torch.cuda.is_available())
     load_model = train.load_model
 
     def first_load(*args, **kwargs):
         if phases.base is None:
             runtime.return_freed_memory()
-            phases.base = resident_bytes("VmRSS")
+            phases.base = phases.now()
         return load_model(*args, **kwargs)
     train.load_model = first_load
     train.stop_token_ids = lambda *args, **kwargs: []
@@ -470,8 +481,8 @@ def main(argv=None):
         runtime.fail(message, "memory_plan")
     if args.prompt_tokens is not None and args.prompt_tokens < 1:
         runtime.fail(f"--prompt-tokens must be >= 1, got {args.prompt_tokens}", "memory_plan")
-    if args.measure:
-        args.device = "cpu"
+    if args.measure:  # the plan of the machine that measures
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     prompt_tokens, counted = ((args.prompt_tokens, "--prompt-tokens") if args.prompt_tokens
                               is not None else longest_prompt(flags))
     table, facts = plan(flags, args.nproc, args.gpu_gb * GB, prompt_tokens, args.device)

@@ -98,3 +98,24 @@ def test_bad_flags_and_an_unknown_model_offline_are_one_line_errors(monkeypatch)
         with pytest.raises(SystemExit, match=says) as stop:
             memory_plan.main(argv)
         assert "\n" not in str(stop.value)
+
+
+def test_phases_on_cuda_read_the_allocators_peak_above_the_base(monkeypatch):
+    """--measure on a GPU: each phase's max_memory_allocated, reset at its start, above the bytes
+    allocated before the model loaded; a nested phase's peak is its own (torch.cuda's answers
+    patched: no GPU here)."""
+    state = {"now": 100, "peak": 100}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: state["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: state["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda: state.update(peak=state["now"]))
+
+    def allocate(nbytes, then_free=0):
+        state["now"] += nbytes
+        state["peak"] = max(state["peak"], state["now"])
+        state["now"] -= then_free
+    phases = memory_plan.Phases(cuda=True)
+    phases.base = phases.now()
+    inner = phases.wrap("inner", lambda: allocate(50, then_free=50))
+    phases.wrap("outer", lambda: (allocate(1000, then_free=1000), inner(), allocate(10)))()
+    assert phases.peaks == {"outer": 1000, "inner": 50}

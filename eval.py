@@ -141,10 +141,10 @@ def batch_seed(seed, b):
 
 
 def evaluate(model, tokenizer, examples, samples=1, max_new_tokens=1024, temperature=1.0, top_p=1.0,
-             batch_size=16, chat_template=True, seed=0, rank=0, world_size=1, generate_rows=None):
+             batch_size=16, chat_template=True, seed=0, rank=0, world_size=1, generate_rows=0):
     """Sample `samples` completions per example, score them, return (metrics, completion records).
-    `generate_rows`: rows one generate call decodes at a time, the same samples (None: a whole
-    batch; 0: as many as fit, runtime.rows_that_fit, as train.py's --generate-rows).
+    `generate_rows`: rows one generate call decodes at a time, the same samples (0: as many as fit,
+    runtime.rows_that_fit, a whole batch on a CPU; train.py's --generate-rows).
 
     Every rank must call this with the same arguments (it all-gathers); all ranks return the same
     result. Pass a plain model (model.module under DDP). chat_template=False: plain
@@ -168,8 +168,7 @@ def evaluate(model, tokenizer, examples, samples=1, max_new_tokens=1024, tempera
                   leave=False):
         generator = torch.Generator(device=device).manual_seed(batch_seed(seed, b))
         batch_prompts = [prompts[i] for i, _ in batches[b]]
-        max_rows = (runtime.rows_that_fit(model, batch_prompts, max_new_tokens)
-                    if generate_rows == 0 else generate_rows)
+        max_rows = generate_rows or runtime.rows_that_fit(model, batch_prompts, max_new_tokens)
         with torch.no_grad():
             rollout = generate(model, batch_prompts, max_new_tokens, temperature, top_p,
                                eos_token_id, generator, max_rows=max_rows)

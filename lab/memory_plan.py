@@ -41,6 +41,7 @@ the plan then made for CUDA (give --gpu-gb the card's size, or --generate-rows).
 import argparse
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -287,13 +288,11 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
     if ddp:
         resident["DDP's gradient buckets, fp32"] = 4 * params
     sampler = size * params if fsdp or size != 4 else 0
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_row = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * size * slots
-    call_rows = flags.generate_rows or rows
+    kv_row = 2 * math.prod(rollout.cache_shape(meta, 1, slots)) * size  # rollout.kv_bytes, K and V
+    call_rows = min(flags.generate_rows or rows, rows)
     if device == "cuda" and not flags.generate_rows:  # runtime.rows_that_fit, free memory then
         free = gpu_bytes - sum(resident.values()) - sampler
         call_rows = max(1, min(rows, int(runtime.KV_SHARE * free // kv_row)))
-    call_rows = min(call_rows, rows)
     # a call's rows are whole groups of --group-size, but for one split by the call's end
     distinct = min(-(-call_rows // flags.group_size) + 1, call_rows)
     prefill, decode = traced_sampling(config, dtype, call_rows, distinct, prompt_tokens,
@@ -315,7 +314,8 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
     table = {
         "sampling": {**resident, f"sampler's copy, {str(dtype)[6:]}": sampler,
                      f"KV cache, {call_rows} rows x {slots} slots": call_rows * kv_row,
-                     "rollout's outputs and uniforms": rows * flags.max_new_tokens * 20,
+                     # generate's outputs: int64 tokens, fp32 log-probs, float64 uniforms
+                     "rollout's outputs and uniforms": rows * flags.max_new_tokens * (8 + 4 + 8),
                      f"the larger of a prefill bucket ({prefill / GB:.2f}) and a decode step "
                      f"({decode / GB:.2f}), traced": max(prefill, decode)},
         "no-grad passes": {**resident, **gathers, "one micro-batch's pass (traced)": nograd},

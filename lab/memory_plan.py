@@ -16,11 +16,19 @@ Per rank, in each phase of a step (GB = 1e9 bytes); the phase's peak is its sum:
   runtime.rows_that_fit picks them from --gpu-gb), the rollout's outputs, and the larger transient
   of a prefill bucket and of a decode step (logits, probabilities and a float64 CDF over the vocab).
 - no-grad passes: the log-prob pass (in --logprob-dtype) of one micro-batch, with the entropy (the
-  policy's pass; the reference's has none), and under FSDP the weights it gathers (the root:
-  embeddings, norm and output layer, for the whole pass; two decoder layers, one computing and one
-  prefetched).
-- gradient pass: the gradients (fp32), the gathers (and a layer's unsharded gradients before their
-  reduce-scatter), and one micro-batch's forward and backward in the compute dtype.
+  policy's pass; the reference's has none).
+- gradient pass: the gradients (fp32) and one micro-batch's forward and backward in the compute
+  dtype.
+- FSDP (2+ ranks) adds to both passes the weights it gathers: the root (embeddings, norm, output
+  layer) for the whole pass, and two decoder layers (one computing, one prefetched). A group's
+  all-gather lands in a flat buffer of its size before it is copied out, and its gradients are
+  copied into another for the reduce-scatter; the root's are the largest. So a pass's peak is the
+  largest of its moments: at the root's all-gather (the buffer beside the gathered weights), in the
+  pass (the traced pass; in the gradient pass also the output layer's gradient, which FSDP keeps
+  unsharded to the backward's end) and, in the gradient pass, at the root's reduce-scatter (its
+  weights resharded, its gradients copied into the reduce-scatter's input; on a CPU, gloo copies
+  that input again). The table gives the largest moment's parts (studies/memory-plan/fsdp_trace.py
+  follows these moments on real ranks).
 - AdamW step: the gradients and AdamW's temporary (torch's foreach kernel on CUDA: the square root
   of every second moment at once; on a CPU one tensor at a time).
 Each transient (a prefill bucket, a decode step, the two passes) is traced from rollout's and
@@ -304,29 +312,56 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
     logprob_dtype = runtime.logprob_dtype(flags.logprob_dtype, torch.device(device))
     nograd, grad_pass = traced_passes(config, prompts[:micro], flags.max_new_tokens, dtype,
                                       flags.grad_checkpointing, logprob_dtype)
-    gathers = {}
-    if fsdp and nproc > 1:
-        gathers = {"FSDP: the root and two decoder layers gathered, fp32": 4 * (root + 2 * layer)}
     grads = {} if ddp else {"gradients, fp32": 4 * params * shard}
     # AdamW's denominator sqrt(v) + eps: CUDA's foreach kernel makes it for every tensor at once, a
     # CPU's loop one tensor at a time (a square root, then its quotient: two of the largest)
     adamw_temporary = 4 * params * shard if device == "cuda" else 2 * 4 * largest * shard
+    nograd_pass = {"one micro-batch's pass (traced)": nograd}
+    in_pass = {"one micro-batch's pass (traced)": grad_pass}
+    moments = {"no-grad passes": {"in the pass": nograd_pass},
+               "gradient pass": {"in the pass": in_pass}}
+    if fsdp and nproc > 1:  # FSDP2: studies/memory-plan/fsdp_trace.py follows these moments
+        gathered = {"FSDP: the root and two decoder layers gathered, fp32": 4 * (root + 2 * layer)}
+        # a group's all-gather lands in a flat buffer of the group's size, then is copied out
+        buffer = {"FSDP: the root's all-gather buffer, fp32": 4 * root}
+        head = meta.get_output_embeddings().weight
+        # the output layer's gradient stays unsharded from the backward's start to its end (tied
+        # to the embeddings, the trace holds it already: autograd sums their two gradients)
+        head_gradient = {} if head is meta.get_input_embeddings().weight else {
+            "FSDP: the output layer's unsharded gradient, fp32": 4 * head.numel()}
+        # the backward's end: the root's gradients beside their copy, the reduce-scatter's input
+        # (as it runs, the input, its output and the output layer's gradient: no more); on a CPU
+        # gloo copies the input once more
+        reduce = {"FSDP: the root's gradients and the reduce-scatter's input, fp32": 8 * root}
+        if device == "cpu":
+            reduce["gloo's copy of the reduce-scatter's input, fp32"] = 4 * root
+        moments = {"no-grad passes": {"at the root's all-gather": {**gathered, **buffer},
+                                      "in the pass": {**gathered, **nograd_pass}},
+                   "gradient pass": {"at the root's all-gather": {**gathered, **buffer},
+                                     "in the pass": {**gathered, **head_gradient, **in_pass},
+                                     "at the root's reduce-scatter": reduce}}
+    # a phase's peak is its largest moment
+    peaks = {phase: max(options, key=lambda moment: sum(options[moment].values()))
+             for phase, options in moments.items()}
+    nograd_parts = moments["no-grad passes"][peaks["no-grad passes"]]
+    grad_parts = moments["gradient pass"][peaks["gradient pass"]]
     table = {
-        "sampling": {**resident, f"sampler's copy, {str(dtype)[6:]}": sampler,
-                     f"KV cache, {call_rows} rows x {slots} slots": call_rows * kv_row,
+        "sampling": {**resident, "sampler's copy, compute dtype": sampler,
+                     "KV cache of a generate call": call_rows * kv_row,
                      # generate's outputs: int64 tokens, fp32 log-probs, float64 uniforms
                      "rollout's outputs and uniforms": rows * flags.max_new_tokens * (8 + 4 + 8),
-                     f"the larger of a prefill bucket ({prefill / GB:.2f}) and a decode step "
-                     f"({decode / GB:.2f}), traced": max(prefill, decode)},
-        "no-grad passes": {**resident, **gathers, "one micro-batch's pass (traced)": nograd},
-        "gradient pass": {**resident, **grads, **gathers,
-                          **({"a layer's unsharded gradients, fp32": 4 * layer} if gathers else {}),
-                          "one micro-batch's pass (traced)": grad_pass},
+                     "a prefill bucket or a decode step, the larger (traced)": max(prefill, decode)},
+        "no-grad passes": {**resident, **nograd_parts},
+        "gradient pass": {**resident, **grads, **grad_parts},
         "AdamW step": {**resident, **grads, "AdamW's temporary, fp32": adamw_temporary},
     }
     facts = dict(model=flags.model, params=params, ranks=nproc, fsdp=fsdp, dtype=str(dtype)[6:],
                  rows_per_rank=rows, generate_rows=call_rows, micro_batch_rows=micro,
-                 prompt_tokens=prompt_tokens, max_new_tokens=flags.max_new_tokens)
+                 prompt_tokens=prompt_tokens, max_new_tokens=flags.max_new_tokens, slots=slots,
+                 prefill_bytes=prefill, decode_step_bytes=decode,
+                 peak_moments=peaks,  # and each moment's bytes besides the resident parts
+                 moments={phase: {moment: sum(parts.values()) for moment, parts in options.items()}
+                          for phase, options in moments.items()})
     return table, facts
 
 
@@ -495,7 +530,11 @@ def main(argv=None):
           f"{prompt_tokens} tokens ({counted}), responses of {flags.max_new_tokens}")
     for phase, parts in table.items():
         seen = f", measured {measured[phase] / GB:.2f} GB" if phase in measured else ""
-        print(f"\n{phase}: {sum(parts.values()) / GB:.2f} GB a rank{seen}")
+        others = facts["moments"].get(phase, {})
+        moment = (f" ({facts['peak_moments'][phase]}; besides the resident parts "
+                  + ", ".join(f"{name} {nbytes / GB:.2f}" for name, nbytes in others.items())
+                  + ")" if len(others) > 1 else "")
+        print(f"\n{phase}: {sum(parts.values()) / GB:.2f} GB a rank{moment}{seen}")
         for name, nbytes in parts.items():
             print(f"  {nbytes / GB:8.2f}  {name}")
     print(f"\nhost memory of a node while its ranks build the model: "

@@ -1,10 +1,14 @@
 """Every figure docs/gpu.md's memory section and README quote, recomputed from the committed files
-(cpu-*.json, h200_trace.md) and from lab/memory_plan.py's plan of the recipes docs/gpu.md names.
-Run from the repository's root: python studies/memory-plan/figures.py (~1 min: it traces 7B
-passes)."""
+(cpu-*.json, h200_trace.md) and from lab/memory_plan.py's plan of the recipes docs/gpu.md names;
+the earlier plan (commit 61fea9b) on the untied model's run where its directory exists
+(`python studies/memory-plan/fsdp_trace.py build /tmp/wide-root`). Run from the repository's
+root: python studies/memory-plan/figures.py (~1 min: it traces 7B passes)."""
+import importlib.util
 import json
 import math
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -22,8 +26,29 @@ for path in sorted(HERE.glob("cpu-*.json")):
     run = json.loads(path.read_text())
     gaps += [(run["measured"][phase] - sum(parts.values())) / GB
              for phase, parts in run["table"].items()]
+    print(f"{path.name}: measured - planned, GB: " + ", ".join(
+        f"{phase} {(run['measured'][phase] - sum(parts.values())) / GB:+.3f}"
+        for phase, parts in run["table"].items()))
 print(f"CPU runs, measured - planned: {min(gaps):.3f} to {max(gaps):.3f} GB, "
       f"median {sorted(gaps)[len(gaps) // 2]:.3f}")
+
+# the plan before FSDP2's moments (commit 61fea9b) on the untied model's run
+with tempfile.NamedTemporaryFile("w", suffix=".py") as file:
+    file.write(subprocess.run(["git", "show", "61fea9b:lab/memory_plan.py"], cwd=ROOT, check=True,
+                              capture_output=True, text=True).stdout)
+    file.flush()
+    spec = importlib.util.spec_from_file_location("memory_plan_61fea9b", file.name)
+    earlier = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(earlier)
+run = json.loads((HERE / "cpu-fsdp2-wide-root.json").read_text())
+if Path(run["facts"]["model"]).is_dir():  # fsdp_trace.py build /tmp/wide-root
+    argv = ("--kl k1 --place reward --max-new-tokens 32 --prompts-per-step 2 --micro-batch 2 "
+            f"--fsdp --model {run['facts']['model']}").split()
+    table, _ = earlier.plan(train.parser.parse_args(argv), 2, 80 * GB,
+                            run["facts"]["prompt_tokens"], "cpu")
+    print("the earlier plan on the untied model's run, measured - planned, GB: " + ", ".join(
+        f"{phase} {(run['measured'][phase] - sum(parts.values())) / GB:+.3f}"
+        for phase, parts in table.items()))
 
 rows = [line.split("|")[1:-1] for line in (HERE / "h200_trace.md").read_text().splitlines()[2:]]
 for name, traced, measured, ratio in rows:
@@ -44,6 +69,9 @@ for index in (0, 3):  # the 8-GPU command, Fig. 7
     for phase, parts in table.items():
         print(f"  {phase}: {sum(parts.values()) / GB:.2f} = "
               + " + ".join(f"{b / GB:.2f} {n}" for n, b in parts.items()))
+    for phase, moments in facts["moments"].items():
+        print(f"  {phase}, each moment besides the resident parts: "
+              + ", ".join(f"{moment} {nbytes / GB:.2f}" for moment, nbytes in moments.items()))
     passes = table["gradient pass"]["one micro-batch's pass (traced)"]
     total = sum(table["gradient pass"].values())
     print(f"  gradient pass with the H200's gap: {(total + gap * GB) / GB:.1f} GB, at its ratio: "

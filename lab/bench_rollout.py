@@ -18,8 +18,9 @@ torch.compile (SmolLM2 at batch 64 only: a compile per shape); beside each, the 
 (weights + live KV bytes read per step) / the card's measured read bandwidth, and the fraction of it
 reached. Then
 useful tokens/s, greedy, EOS on, SmolLM2 (the same work for every sampler); and the fixed-shape
-loop under torch.cuda.set_sync_debug_mode("error"). The JSON is rewritten after each
-measurement, so a timeout keeps what finished. `--allow-cpu` runs it on a CPU, at tiny shapes
+loop under torch.cuda.set_sync_debug_mode("error"). `--profile MODEL:BATCH`: where a step's time
+goes, each kernel's time a step from torch.profiler (ours graphed and eager; a CPU's ops on a CPU).
+The JSON is rewritten after each measurement, so a timeout keeps what finished. `--allow-cpu` runs it on a CPU, at tiny shapes
 unless --models says otherwise (fp32 where bf16 is emulated; wall and process CPU seconds; the
 sync check counts with a TorchDispatchMode instead).
 """
@@ -70,6 +71,10 @@ decode.add_argument("--ours-compiled", nargs="*", default=["smollm2-135m:64"],
                     metavar="MODEL:BATCH",
                     help="where ours also runs with its step compiled by torch.compile before the "
                          "capture (rollout.compiled_step; CUDA only; two compiles a shape)")
+decode.add_argument("--profile", nargs="*", default=[], metavar="MODEL:BATCH",
+                    help="where a decode step is also profiled (torch.profiler): each kernel's "
+                         "time a step, ours graphed and eager (e.g. qwen2.5-7b:256)")
+decode.add_argument("--profile-top", type=int, default=20, help="kernels kept per profile")
 decode.add_argument("--budget", type=float, default=390,
                     help="seconds: measurements not started by then are marked skipped")
 decode.add_argument("--out", default="decode.json", help="the JSON report")
@@ -485,6 +490,54 @@ def sync_part(name, rows, dtype):
     return dict(model=name, batch=rows, ok=ok, **result)
 
 
+def profile_part(name, rows, n1, n2, prompt_len, dtype, report, write):
+    """Where a decode step's time goes: torch.profiler over whole generate calls of n1 and of n2
+    new tokens, each kernel's (or on a CPU each op's) own time in the second minus the first over
+    n2 - n1, so the prefill cancels; ours graphed (its kernels inside the replayed graph) and eager
+    on CUDA, eager on a CPU; the top kernels of each, appended to report."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = DEVICE.type == "cuda"
+    model, _ = decode_model(name, dtype)
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(10, model.config.vocab_size - 10, (rows, prompt_len),
+                            generator=generator).tolist()
+    runs = decode_samplers(model, name, prompts)
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+
+    def own_us(event):  # the kernel's own device time, or the op's own CPU time
+        return event.self_device_time_total if cuda else event.self_cpu_time_total
+
+    for sampler in [s for s in ("ours graphed", "ours eager") if s in runs]:
+        fn, totals = runs[sampler], []
+        fn(n2, 1000)  # warm: kernels, the graph's capture at the longest span
+        for n in (n1, n2):
+            with profile(activities=activities) as prof:
+                fn(n, 0)
+                sync()
+            totals.append({event.key: (own_us(event), event.count)
+                           for event in prof.key_averages() if own_us(event) > 0})
+        steps = n2 - n1
+        per_step = {key: ((us - totals[0].get(key, (0, 0))[0]) / steps / 1e3,
+                          (count - totals[0].get(key, (0, 0))[1]) / steps)
+                    for key, (us, count) in totals[1].items()}
+        step_ms = sum(ms for ms, _ in per_step.values())
+        top = sorted(per_step.items(), key=lambda item: -item[1][0])[:args.profile_top]
+        report.append(dict(model=name, batch=rows, sampler=sampler, step_ms=step_ms,
+                           kernels_per_step=sum(count for _, count in per_step.values()),
+                           top=[dict(kernel=key, ms_per_step=ms, calls_per_step=count)
+                                for key, (ms, count) in top]))
+        what = "kernels" if cuda else "ops"  # a CPU's op times: noisy at tiny shapes
+        print(f"  profile {name} batch {rows} {sampler}: {step_ms:.2f} ms of {what} a step, "
+              f"{report[-1]['kernels_per_step']:.0f} {what} a step; the largest:", flush=True)
+        for key, (ms, count) in top[:8]:
+            print(f"    {ms:7.3f} ms {count:5.1f}x  {key[:100]}", flush=True)
+        write()
+    del model, runs
+    if cuda:
+        torch.cuda.empty_cache()
+
+
 def decode_benchmark():
     cuda = DEVICE.type == "cuda"
     if not cuda and not args.allow_cpu:
@@ -500,8 +553,8 @@ def decode_benchmark():
     report = dict(device=torch.cuda.get_device_name() if cuda else "cpu", dtype=str(dtype),
                   torch=torch.__version__, threads=torch.get_num_threads(),
                   read_bandwidth_GBps=bandwidth / 1e9, steps=[n1, n2], prompt_len=prompt_len,
-                  flash=flash_choice(DEVICE, dtype)[1], step_ms=[], eos_on=[], syncs=None,
-                  skipped=[])
+                  flash=flash_choice(DEVICE, dtype)[1], step_ms=[], eos_on=[], profile=[],
+                  syncs=None, skipped=[])
 
     def write():
         report["elapsed_s"] = time.perf_counter() - STARTED
@@ -515,6 +568,7 @@ def decode_benchmark():
                                + [(m, b) for m in models for b in batches]))
     first = 2 if len(order) > 1 else 1
     plan = [("step", m, b) for m, b in order[:first]] + [("eos", models[0], batches[0])]
+    plan += [("profile", m, int(b)) for m, b in (shape.split(":") for shape in args.profile)]
     # the sync check last: an error raised inside a graph capture can leave CUDA unusable
     plan += [("step", m, b) for m, b in order[first:]] + [("sync", models[0], batches[0])]
     for part, name, rows in plan:
@@ -528,6 +582,8 @@ def decode_benchmark():
                           write)
             elif part == "sync":
                 report["syncs"] = sync_part(name, min(rows, 16), dtype)
+            elif part == "profile":
+                profile_part(name, rows, n1, n2, prompt_len, dtype, report["profile"], write)
             else:
                 eos_part(name, rows, args.eos_tokens or (128 if cuda else 24), dtype,
                          report["eos_on"], write)

@@ -20,15 +20,17 @@ Per rank, in each phase of a step (GB = 1e9 bytes); the phase's peak is its sum:
 - gradient pass: the gradients (fp32) and one micro-batch's forward and backward in the compute
   dtype.
 - FSDP (2+ ranks) adds to both passes the weights it gathers: the root (embeddings, norm, output
-  layer) for the whole pass, and two decoder layers (one computing, one prefetched). A group's
-  all-gather lands in a flat buffer of its size before it is copied out, and its gradients are
-  copied into another for the reduce-scatter; the root's are the largest. So a pass's peak is the
-  largest of its moments: at the root's all-gather (the buffer beside the gathered weights), in the
-  pass (the traced pass; in the gradient pass also the output layer's gradient, which FSDP keeps
-  unsharded to the backward's end) and, in the gradient pass, at the root's reduce-scatter (its
-  weights resharded, its gradients copied into the reduce-scatter's input; on a CPU, gloo copies
-  that input again). The table gives the largest moment's parts (studies/memory-plan/fsdp_trace.py
-  follows these moments on real ranks).
+  layer) for the whole pass, and two decoder layers (the one computing and the next; an overcount
+  where a pass peaks, over the vocabulary, with the layers resharded). A group's all-gather lands
+  in a flat buffer of its size before it is copied out, and its gradients are copied into another
+  for the reduce-scatter; the root's are the largest. So a pass's peak is the largest of its
+  moments: at the root's all-gather (the buffer beside the gathered weights); in the pass (traced,
+  in the gradient pass with the output layer's gradient kept from when it comes: FSDP2 keeps it
+  unsharded until the backward ends); and in the gradient pass at the root's gradient copy-in (its
+  gradients beside their copy, its weights resharded) and as its reduce-scatter runs (the input,
+  the output and the output layer's gradient, still held; on a CPU, gloo copies the input again).
+  The table gives the largest moment's parts (studies/memory-plan/fsdp_trace.py follows these
+  moments on real ranks).
 - AdamW step: the gradients and AdamW's temporary (torch's foreach kernel on CUDA: the square root
   of every second moment at once; on a CPU one tensor at a time).
 Each transient (a prefill bucket, a decode step, the two passes) is traced from rollout's and
@@ -243,11 +245,12 @@ def traced_sampling(config, dtype, rows, distinct, prompt_tokens, max_new_tokens
 
 
 def traced_passes(config, prompts, max_new_tokens, dtype, checkpointing,
-                  logprob_dtype=torch.float32):
+                  logprob_dtype=torch.float32, keep_head_gradient=False):
     """(no-grad pass peak, gradient pass peak without its parameter gradients), bytes, of one
     micro-batch of `prompts` with responses of max_new_tokens tokens, traced on fake tensors: the
     no-grad pass in `logprob_dtype` with the entropy, the gradient pass under autocast to
-    `dtype`."""
+    `dtype`; with keep_head_gradient, the output layer's gradient is kept from when it comes to
+    the pass's end (FSDP2 holds it unsharded until the backward ends)."""
     responses = torch.zeros(len(prompts), max_new_tokens, dtype=torch.long)
     mask = torch.ones(len(prompts), max_new_tokens)
     with real_layout(), FakeTensorMode(allow_non_fake_inputs=True):
@@ -261,8 +264,10 @@ def traced_passes(config, prompts, max_new_tokens, dtype, checkpointing,
                     model.gradient_checkpointing_enable)({"use_reentrant": False})
             model.train()
 
+        head = model.get_output_embeddings().weight
         for param in model.parameters():  # the plan counts the gradients: drop each as it comes
-            param.register_post_accumulate_grad_hook(lambda param: setattr(param, "grad", None))
+            if not (keep_head_gradient and param is head):
+                param.register_post_accumulate_grad_hook(lambda param: setattr(param, "grad", None))
 
         def gradient_pass():
             logp, _ = train.token_logprobs(model, prompts, responses, mask, 1.0, dtype)
@@ -311,7 +316,8 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
     micro = max(sizes)
     logprob_dtype = runtime.logprob_dtype(flags.logprob_dtype, torch.device(device))
     nograd, grad_pass = traced_passes(config, prompts[:micro], flags.max_new_tokens, dtype,
-                                      flags.grad_checkpointing, logprob_dtype)
+                                      flags.grad_checkpointing, logprob_dtype,
+                                      keep_head_gradient=fsdp and nproc > 1)
     grads = {} if ddp else {"gradients, fp32": 4 * params * shard}
     # AdamW's denominator sqrt(v) + eps: CUDA's foreach kernel makes it for every tensor at once, a
     # CPU's loop one tensor at a time (a square root, then its quotient: two of the largest)
@@ -321,25 +327,30 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
     moments = {"no-grad passes": {"in the pass": nograd_pass},
                "gradient pass": {"in the pass": in_pass}}
     if fsdp and nproc > 1:  # FSDP2: studies/memory-plan/fsdp_trace.py follows these moments
+        # the root for the whole pass; two layers, the one computing and the next (an overcount
+        # where the pass peaks, over the vocabulary, with the layers resharded)
         gathered = {"FSDP: the root and two decoder layers gathered, fp32": 4 * (root + 2 * layer)}
         # a group's all-gather lands in a flat buffer of the group's size, then is copied out
         buffer = {"FSDP: the root's all-gather buffer, fp32": 4 * root}
-        head = meta.get_output_embeddings().weight
-        # the output layer's gradient stays unsharded from the backward's start to its end (tied
-        # to the embeddings, the trace holds it already: autograd sums their two gradients)
-        head_gradient = {} if head is meta.get_input_embeddings().weight else {
-            "FSDP: the output layer's unsharded gradient, fp32": 4 * head.numel()}
-        # the backward's end: the root's gradients beside their copy, the reduce-scatter's input
-        # (as it runs, the input, its output and the output layer's gradient: no more); on a CPU
-        # gloo copies the input once more
-        reduce = {"FSDP: the root's gradients and the reduce-scatter's input, fp32": 8 * root}
+        # the pass traced with the output layer's gradient kept: FSDP2 frees it at the end
+        in_pass = {"one micro-batch's pass, the output layer's gradient kept (traced)": grad_pass}
+        # the backward's end: the root's gradients are copied into the reduce-scatter's input,
+        # then freed; as it runs, the input, its output and the output layer's gradient (still
+        # referenced) are alive, and on a CPU gloo's own copy of the input
+        running = {"FSDP: the reduce-scatter's input and output, fp32": 4 * root * (1 + shard),
+                   "FSDP: the output layer's gradient, still held, fp32":
+                       4 * meta.get_output_embeddings().weight.numel()}
         if device == "cpu":
-            reduce["gloo's copy of the reduce-scatter's input, fp32"] = 4 * root
+            running["gloo's copy of the reduce-scatter's input, fp32"] = 4 * root
         moments = {"no-grad passes": {"at the root's all-gather": {**gathered, **buffer},
                                       "in the pass": {**gathered, **nograd_pass}},
-                   "gradient pass": {"at the root's all-gather": {**gathered, **buffer},
-                                     "in the pass": {**gathered, **head_gradient, **in_pass},
-                                     "at the root's reduce-scatter": reduce}}
+                   "gradient pass": {
+                       "at the root's all-gather": {**gathered, **buffer},
+                       "in the pass": {**gathered, **in_pass},
+                       "at the root's gradient copy-in": {
+                           "FSDP: the root's gradients and the reduce-scatter's input, fp32":
+                               8 * root},
+                       "as the root's reduce-scatter runs": running}}
     # a phase's peak is its largest moment
     peaks = {phase: max(options, key=lambda moment: sum(options[moment].values()))
              for phase, options in moments.items()}
@@ -359,7 +370,8 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
                  rows_per_rank=rows, generate_rows=call_rows, micro_batch_rows=micro,
                  prompt_tokens=prompt_tokens, max_new_tokens=flags.max_new_tokens, slots=slots,
                  prefill_bytes=prefill, decode_step_bytes=decode,
-                 peak_moments=peaks,  # and each moment's bytes besides the resident parts
+                 peak_moments=peaks,  # and each moment's bytes above the parts held all
+                 # step (weights, AdamW, the reference, the gradients)
                  moments={phase: {moment: sum(parts.values()) for moment, parts in options.items()}
                           for phase, options in moments.items()})
     return table, facts
@@ -531,8 +543,9 @@ def main(argv=None):
     for phase, parts in table.items():
         seen = f", measured {measured[phase] / GB:.2f} GB" if phase in measured else ""
         others = facts["moments"].get(phase, {})
-        moment = (f" ({facts['peak_moments'][phase]}; besides the resident parts "
-                  + ", ".join(f"{name} {nbytes / GB:.2f}" for name, nbytes in others.items())
+        moment = (f", its peak {facts['peak_moments'][phase]} (each moment above the parts held "
+                  "all step: " + ", ".join(f"{name} {nbytes / GB:.2f}"
+                                           for name, nbytes in others.items())
                   + ")" if len(others) > 1 else "")
         print(f"\n{phase}: {sum(parts.values()) / GB:.2f} GB a rank{moment}{seen}")
         for name, nbytes in parts.items():

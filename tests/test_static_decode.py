@@ -311,11 +311,13 @@ def test_a_step_runs_no_more_ops_than_hf_generate(family, temperature, top_p):
 # ---------------------------------------------------------------- the benchmark, on a CPU
 def test_bench_decode_runs_on_a_cpu(tmp_path):
     """`python -m lab.bench_rollout --decode --allow-cpu` at its tiny CPU shapes: every part in the
-    JSON, each sampler's step time and HBM-floor fraction, the greedy EOS-on rates, and the sync
-    check (on a CPU: the dispatch counter's)."""
+    JSON, each sampler's step time and HBM-floor fraction, the greedy EOS-on rates, the profile (a
+    decode step's ops: one attention call a layer, the prefill's cancelled) and the sync check (on
+    a CPU: the dispatch counter's)."""
     out = tmp_path / "decode.json"
     command = ["--decode", "--allow-cpu", "--out", str(out), "--threads", "1", "--steps", "2", "4",
-               "--repeats", "1", "--eos-tokens", "8"]
+               "--repeats", "1", "--eos-tokens", "8", "--profile", "tiny:4", "--profile-top",
+               "1000"]
     result = subprocess.run([sys.executable, "-m", "lab.bench_rollout", *command], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -329,6 +331,10 @@ def test_bench_decode_runs_on_a_cpu(tmp_path):
     assert all(row["useful_tokens_per_s"] > 0 for row in report["eos_on"])
     assert report["syncs"]["ok"], report["syncs"]
     assert "floor" in result.stdout
+    (profile,) = report["profile"]  # ours eager: a CPU has no graphs
+    assert (profile["model"], profile["batch"], profile["sampler"]) == ("tiny", 4, "ours eager")
+    calls = {row["kernel"]: row["calls_per_step"] for row in profile["top"]}
+    assert calls["aten::scaled_dot_product_attention"] == 2, calls  # the tiny shape's 2 layers
 
 
 def test_the_compiled_step_plumbs_through_generate(monkeypatch):

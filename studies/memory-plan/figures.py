@@ -70,9 +70,9 @@ for index in (0, 3):  # the 8-GPU command, Fig. 7
         print(f"  {phase}: {sum(parts.values()) / GB:.2f} = "
               + " + ".join(f"{b / GB:.2f} {n}" for n, b in parts.items()))
     for phase, moments in facts["moments"].items():
-        print(f"  {phase}, each moment besides the resident parts: "
+        print(f"  {phase}, each moment above the parts held all step: "
               + ", ".join(f"{moment} {nbytes / GB:.2f}" for moment, nbytes in moments.items()))
-    passes = table["gradient pass"]["one micro-batch's pass (traced)"]
+    passes = next(nbytes for name, nbytes in table["gradient pass"].items() if "(traced)" in name)
     total = sum(table["gradient pass"].values())
     print(f"  gradient pass with the H200's gap: {(total + gap * GB) / GB:.1f} GB, at its ratio: "
           f"{(total - passes + passes / ratio) / GB:.1f} GB")

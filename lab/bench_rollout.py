@@ -493,8 +493,10 @@ def sync_part(name, rows, dtype):
 def profile_part(name, rows, n1, n2, prompt_len, dtype, report, write):
     """Where a decode step's time goes: torch.profiler over whole generate calls of n1 and of n2
     new tokens, each kernel's (or on a CPU each op's) own time in the second minus the first over
-    n2 - n1, so the prefill cancels; ours graphed (its kernels inside the replayed graph) and eager
-    on CUDA, eager on a CPU; the top kernels of each, appended to report."""
+    n2 - n1, so the prefill cancels; ours graphed (its kernels inside the replayed graph; a call
+    captures a graph per span bucket, so the difference keeps the warm-up step of the buckets only
+    the longer call reaches, about one step in n2 - n1) and eager on CUDA, eager on a CPU; the top
+    kernels of each, appended to report."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = DEVICE.type == "cuda"

@@ -3,6 +3,7 @@ agrees with the peaks a real run measures (torchrun, 2 ranks, gloo, FSDP2, a mod
 large); docs/gpu.md's memory table is its output."""
 import importlib.util
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -83,10 +84,13 @@ def test_the_plan_matches_the_peaks_of_a_run_on_two_ranks_with_fsdp(tmp_path):
     fsdp_trace = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(fsdp_trace)
     fsdp_trace.build(tmp_path / "wide-root")
-    table, facts, measured = memory_plan.main(
-        ["--measure", "--nproc", "2", "--", "--kl", "k1", "--place", "reward", "--fsdp",
-         "--model", str(tmp_path / "wide-root"), "--max-new-tokens", "32",
-         "--prompts-per-step", "2", "--micro-batch", "2"])
+    try:
+        table, facts, measured = memory_plan.main(
+            ["--measure", "--nproc", "2", "--", "--kl", "k1", "--place", "reward", "--fsdp",
+             "--model", str(tmp_path / "wide-root"), "--max-new-tokens", "32",
+             "--prompts-per-step", "2", "--micro-batch", "2"])
+    finally:  # pytest keeps the last runs' tmp folders: not 0.9 GB each
+        shutil.rmtree(tmp_path / "wide-root")
     assert facts["peak_moments"] == {"no-grad passes": "at the root's all-gather",
                                      "gradient pass": "as the root's reduce-scatter runs"}
     assert set(measured) == set(table)

@@ -20,17 +20,17 @@ Per rank, in each phase of a step (GB = 1e9 bytes); the phase's peak is its sum:
 - gradient pass: the gradients (fp32) and one micro-batch's forward and backward in the compute
   dtype.
 - FSDP (2+ ranks) adds to both passes the weights it gathers: the root (embeddings, norm, output
-  layer) for the whole pass, and two decoder layers (the one computing and the next; an overcount
-  where a pass peaks, over the vocabulary, with the layers resharded). A group's all-gather lands
-  in a flat buffer of its size before it is copied out, and its gradients are copied into another
-  for the reduce-scatter; the root's are the largest. So a pass's peak is the largest of its
-  moments: at the root's all-gather (the buffer beside the gathered weights); in the pass (traced,
-  in the gradient pass with the output layer's gradient kept from when it comes: FSDP2 keeps it
-  unsharded until the backward ends); and in the gradient pass at the root's gradient copy-in (its
-  gradients beside their copy, its weights resharded) and as its reduce-scatter runs (the input,
-  the output and the output layer's gradient, still held; on a CPU, gloo copies the input again).
-  The table gives the largest moment's parts (studies/memory-plan/fsdp_trace.py follows these
-  moments on real ranks).
+  layer) for the whole pass, and two decoder layers (the one computing and the next; in a no-grad
+  pass an overcount: it peaks over the vocabulary with every layer resharded). A group's all-gather
+  lands in a flat buffer of its size before it is copied out, and its gradients are copied into
+  another for the reduce-scatter; the root's are the largest. So a pass's peak is the largest of
+  its moments: at the root's all-gather (the buffer beside the gathered weights); in the pass
+  (traced, in the gradient pass with the output layer's gradient kept from when it comes: FSDP2
+  keeps it unsharded until the backward ends); and in the gradient pass at the root's gradient
+  copy-in (its gradients beside their copy, its weights resharded) and as its reduce-scatter runs
+  (the input, the output and the output layer's gradient, still held; on a CPU, gloo copies the
+  input again). The table gives the largest moment's parts (studies/memory-plan/fsdp_trace.py
+  follows these moments on real ranks).
 - AdamW step: the gradients and AdamW's temporary (torch's foreach kernel on CUDA: the square root
   of every second moment at once; on a CPU one tensor at a time).
 Each transient (a prefill bucket, a decode step, the two passes) is traced from rollout's and
@@ -327,8 +327,8 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
     moments = {"no-grad passes": {"in the pass": nograd_pass},
                "gradient pass": {"in the pass": in_pass}}
     if fsdp and nproc > 1:  # FSDP2: studies/memory-plan/fsdp_trace.py follows these moments
-        # the root for the whole pass; two layers, the one computing and the next (an overcount
-        # where the pass peaks, over the vocabulary, with the layers resharded)
+        # the root for the whole pass; two layers, the one computing and the next (in a no-grad
+        # pass an overcount: it peaks over the vocabulary with every layer resharded)
         gathered = {"FSDP: the root and two decoder layers gathered, fp32": 4 * (root + 2 * layer)}
         # a group's all-gather lands in a flat buffer of the group's size, then is copied out
         buffer = {"FSDP: the root's all-gather buffer, fp32": 4 * root}
@@ -361,7 +361,8 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
                      "KV cache of a generate call": call_rows * kv_row,
                      # generate's outputs: int64 tokens, fp32 log-probs, float64 uniforms
                      "rollout's outputs and uniforms": rows * flags.max_new_tokens * (8 + 4 + 8),
-                     "a prefill bucket or a decode step, the larger (traced)": max(prefill, decode)},
+                     "a prefill bucket or a decode step, the larger (traced)":
+                         max(prefill, decode)},
         "no-grad passes": {**resident, **nograd_parts},
         "gradient pass": {**resident, **grads, **grad_parts},
         "AdamW step": {**resident, **grads, "AdamW's temporary, fp32": adamw_temporary},

@@ -20,9 +20,9 @@ reached. Then
 useful tokens/s, greedy, EOS on, SmolLM2 (the same work for every sampler); and the fixed-shape
 loop under torch.cuda.set_sync_debug_mode("error"). `--profile MODEL:BATCH`: where a step's time
 goes, each kernel's time a step from torch.profiler (ours graphed and eager; a CPU's ops on a CPU).
-The JSON is rewritten after each measurement, so a timeout keeps what finished. `--allow-cpu` runs it on a CPU, at tiny shapes
-unless --models says otherwise (fp32 where bf16 is emulated; wall and process CPU seconds; the
-sync check counts with a TorchDispatchMode instead).
+The JSON is rewritten after each measurement, so a timeout keeps what finished. `--allow-cpu` runs
+it on a CPU, at tiny shapes unless --models says otherwise (fp32 where bf16 is emulated; wall and
+process CPU seconds; the sync check counts with a TorchDispatchMode instead).
 """
 import argparse
 import json
@@ -74,7 +74,6 @@ decode.add_argument("--ours-compiled", nargs="*", default=["smollm2-135m:64"],
 decode.add_argument("--profile", nargs="*", default=[], metavar="MODEL:BATCH",
                     help="where a decode step is also profiled (torch.profiler): each kernel's "
                          "time a step, ours graphed and eager (e.g. qwen2.5-7b:256)")
-decode.add_argument("--profile-top", type=int, default=20, help="kernels kept per profile")
 decode.add_argument("--budget", type=float, default=390,
                     help="seconds: measurements not started by then are marked skipped")
 decode.add_argument("--out", default="decode.json", help="the JSON report")
@@ -351,12 +350,17 @@ def median(values):
     return sorted(values)[len(values) // 2]
 
 
+def random_prompts(model, rows, prompt_len):
+    """`rows` prompts of `prompt_len` random tokens, the same every call (seed 0)."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(10, model.config.vocab_size - 10, (rows, prompt_len),
+                         generator=generator).tolist()
+
+
 def step_part(name, rows, n1, n2, prompt_len, dtype, bandwidth, report, write):
     """ms per decode step of each sampler, EOS off, at `rows` rows; rows appended to report."""
     model, real = decode_model(name, dtype)
-    generator = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
-    prompts = torch.randint(10, vocab - 10, (rows, prompt_len), generator=generator).tolist()
+    prompts = random_prompts(model, rows, prompt_len)
     runs = decode_samplers(model, name, prompts, compiled=f"{name}:{rows}" in args.hf_compiled,
                            ours_compiled=f"{name}:{rows}" in args.ours_compiled)
     failed = []
@@ -495,16 +499,13 @@ def profile_part(name, rows, n1, n2, prompt_len, dtype, report, write):
     new tokens, each kernel's (or on a CPU each op's) own time in the second minus the first over
     n2 - n1, so the prefill cancels; ours graphed (its kernels inside the replayed graph; a call
     captures a graph per span bucket, so the difference keeps the warm-up step of the buckets only
-    the longer call reaches, about one step in n2 - n1) and eager on CUDA, eager on a CPU; the top
-    kernels of each, appended to report."""
+    the longer call reaches, about one step in n2 - n1) and eager on CUDA, eager on a CPU; every
+    kernel of each, largest first, appended to report."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = DEVICE.type == "cuda"
     model, _ = decode_model(name, dtype)
-    generator = torch.Generator().manual_seed(0)
-    prompts = torch.randint(10, model.config.vocab_size - 10, (rows, prompt_len),
-                            generator=generator).tolist()
-    runs = decode_samplers(model, name, prompts)
+    runs = decode_samplers(model, name, random_prompts(model, rows, prompt_len))
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
 
     def own_us(event):  # the kernel's own device time, or the op's own CPU time
@@ -524,11 +525,11 @@ def profile_part(name, rows, n1, n2, prompt_len, dtype, report, write):
                           (count - totals[0].get(key, (0, 0))[1]) / steps)
                     for key, (us, count) in totals[1].items()}
         step_ms = sum(ms for ms, _ in per_step.values())
-        top = sorted(per_step.items(), key=lambda item: -item[1][0])[:args.profile_top]
+        top = sorted(per_step.items(), key=lambda item: -item[1][0])  # all of them, largest first
         report.append(dict(model=name, batch=rows, sampler=sampler, step_ms=step_ms,
                            kernels_per_step=sum(count for _, count in per_step.values()),
-                           top=[dict(kernel=key, ms_per_step=ms, calls_per_step=count)
-                                for key, (ms, count) in top]))
+                           kernels=[dict(kernel=key, ms_per_step=ms, calls_per_step=count)
+                                    for key, (ms, count) in top]))
         what = "kernels" if cuda else "ops"  # a CPU's op times: noisy at tiny shapes
         print(f"  profile {name} batch {rows} {sampler}: {step_ms:.2f} ms of {what} a step, "
               f"{report[-1]['kernels_per_step']:.0f} {what} a step; the largest:", flush=True)

@@ -168,6 +168,12 @@ class LiveBytes(TorchDispatchMode):
     def release(self, key):
         self.now -= self.live.pop(key)
 
+    def add(self, key, nbytes, name):
+        """A new storage alive (name: the op and shape that made it)."""
+        self.live[key] = nbytes
+        self.now += nbytes
+        self.peak = max(self.peak, self.now)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for tensor in tree_flatten((args, kwargs))[0]:
             if isinstance(tensor, torch.Tensor) and id(tensor.untyped_storage()) not in self.live:
@@ -182,9 +188,7 @@ class LiveBytes(TorchDispatchMode):
             made_before = key in self.before and self.before[key]() is storage
             if key in self.live or made_before:
                 continue
-            self.live[key] = storage.nbytes()
-            self.now += storage.nbytes()
-            self.peak = max(self.peak, self.now)
+            self.add(key, storage.nbytes(), f"{func.__name__} {tuple(tensor.shape)}")
             weakref.finalize(storage, self.release, key)
         return out
 
@@ -290,6 +294,7 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
              torch.bfloat16 if flags.dtype == "auto" else getattr(torch, flags.dtype))
     size = torch.finfo(dtype).bits // 8
     fsdp, ddp = flags.fsdp, not flags.fsdp and nproc > 1
+    sharded = fsdp and nproc > 1
     shard = 1 / nproc if fsdp else 1
     rows = flags.prompts_per_step // nproc * flags.group_size
     slots = prompt_tokens + flags.max_new_tokens
@@ -317,7 +322,7 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
     logprob_dtype = runtime.logprob_dtype(flags.logprob_dtype, torch.device(device))
     nograd, grad_pass = traced_passes(config, prompts[:micro], flags.max_new_tokens, dtype,
                                       flags.grad_checkpointing, logprob_dtype,
-                                      keep_head_gradient=fsdp and nproc > 1)
+                                      keep_head_gradient=sharded)
     grads = {} if ddp else {"gradients, fp32": 4 * params * shard}
     # AdamW's denominator sqrt(v) + eps: CUDA's foreach kernel makes it for every tensor at once, a
     # CPU's loop one tensor at a time (a square root, then its quotient: two of the largest)
@@ -326,7 +331,7 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
     in_pass = {"one micro-batch's pass (traced)": grad_pass}
     moments = {"no-grad passes": {"in the pass": nograd_pass},
                "gradient pass": {"in the pass": in_pass}}
-    if fsdp and nproc > 1:  # FSDP2: studies/memory-plan/fsdp_trace.py follows these moments
+    if sharded:  # FSDP2: studies/memory-plan/fsdp_trace.py follows these moments
         # the root for the whole pass; two layers, the one computing and the next (in a no-grad
         # pass an overcount: it peaks over the vocabulary with every layer resharded)
         gathered = {"FSDP: the root and two decoder layers gathered, fp32": 4 * (root + 2 * layer)}

@@ -8,13 +8,13 @@ SmolLM2's tokenizer; `build` writes it, which --measure then runs as train.py's 
 
 `trace` follows, on each rank, the storages that ops create (memory_plan.LiveBytes's rule) and the
 weights FSDP2 gathers into storages it resizes (alloc_storage), so a pass's peak is what CUDA's
-allocator would count of the tensors (NCCL adds none; gloo's own copies run on its threads, unseen
-here). For each window (a no-grad pass, a gradient pass's forward, its backward, its reduce-scatters as
-they run) it prints the peak and the tensors alive there, after the plan's moments for CUDA.
+allocator counts of the tensors (max_memory_allocated; NCCL's own buffers are not tensors, and
+gloo's copies run on its threads, unseen here). For each window (a no-grad pass, a gradient pass's
+forward, its backward, its reduce-scatters as they run) it prints the peak and the tensors alive
+there, after the plan's moments for CUDA.
 """
 import os
 import sys
-import weakref
 from pathlib import Path
 
 import torch
@@ -48,7 +48,6 @@ def trace_worker(path):
     gradient pass of 4 rows (2 prompts of 151 tokens, responses of 32), each window's peak."""
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard import _fsdp_param
-    from torch.utils._pytree import tree_flatten
 
     import model
     import runtime
@@ -63,32 +62,19 @@ def trace_worker(path):
             super().__init__()
             self.names, self.window, self.peaks = {}, None, {}
 
-        def note(self, key, nbytes, name):
-            self.live[key], self.names[key] = nbytes, name
-            self.now += nbytes
+        def add(self, key, nbytes, name):
+            super().add(key, nbytes, name)
+            self.names[key] = name
             if self.now > self.peaks.get(self.window, (0,))[0]:
                 alive = sorted(((self.live[k], self.names[k]) for k in self.live
                                 if self.live[k]), reverse=True)
                 self.peaks[self.window] = (self.now, alive)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            for tensor in tree_flatten((args, kwargs))[0]:
-                if isinstance(tensor, torch.Tensor) and id(tensor.untyped_storage()) not in self.live:
-                    storage = tensor.untyped_storage()
-                    self.before[id(storage)] = weakref.ref(storage)
-            out = func(*args, **(kwargs or {}))
-            for tensor in tree_flatten(out)[0]:
-                if not isinstance(tensor, torch.Tensor):
-                    continue
-                storage, key = tensor.untyped_storage(), id(tensor.untyped_storage())
-                made_before = key in self.before and self.before[key]() is storage
-                if key in self.live or made_before:
-                    continue
-                self.note(key, storage.nbytes(), f"{func.__name__} {tuple(tensor.shape)}")
-                weakref.finalize(storage, self.release, key)
+            out = super().__torch_dispatch__(func, types, args, kwargs)
             if "reduce_scatter" in func.__name__:  # what is alive as a reduce-scatter runs
                 window, self.window = self.window, "gradient pass, at a reduce-scatter"
-                self.note("marker", 0, "")
+                self.add("marker", 0, "")
                 self.release("marker")
                 self.window = window
             return out
@@ -99,8 +85,9 @@ def trace_worker(path):
     def alloc(tensor):  # FSDP2 gathers into a weight's own storage, resized from 0
         alloc_storage(tensor)
         if tracker is not None:
-            tracker.note(("resized", id(tensor.untyped_storage())),
-                         tensor.untyped_storage().nbytes(), f"gathered weight {tuple(tensor.shape)}")
+            storage = tensor.untyped_storage()
+            tracker.add(("resized", id(storage)), storage.nbytes(),
+                        f"gathered weight {tuple(tensor.shape)}")
 
     def free(tensor):
         if tracker is not None and ("resized", id(tensor.untyped_storage())) in tracker.live:

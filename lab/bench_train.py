@@ -11,8 +11,9 @@ memory do not depend on the weights), through the trainer's own functions:
   AdamW step, timed apart) with activation checkpointing on and off. The training passes run on
   fixed-length random responses of --response-tokens tokens.
 - nograd: the 3B and 7B shapes, where a policy with AdamW does not fit one card: one no-grad pass.
-- precision: the no-grad pass at the 1.5B shape in fp32, fp32 with TF32 matmuls, bf16 and fp16
-  autocast (fp32 accumulation), each timed (their KL floors: lab/kl_floor.py --device cuda).
+- precision: the no-grad pass at the 1.5B shape in fp32, fp32 with TF32 matmuls, fp32 with its
+  matmuls from bf16 pieces (bf16x6, lab/split_matmul.py), bf16 and fp16 autocast (fp32
+  accumulation), each timed (their KL floors: lab/kl_floor.py --device cuda).
 - attention_ops_*: the attention ops one group's passes dispatch (AttentionOps), which says which SDPA
   kernel runs under the packed block mask, or whether the math fallback builds the L x L scores.
 - attention: at the 1.5B shape, the no-grad and the gradient pass with the block mask (train.py's) and
@@ -42,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import rollout
 import runtime
 import train
+from lab.split_matmul import bf16_pieces
 
 # Qwen2.5's configs (config.json on the hub), with the trainer's fp32 master weights
 SHAPES = {
@@ -62,7 +64,8 @@ SHAPES = {
 }
 # dense bf16 tensor-core peaks (FLOP/s, SXM parts), by a word of torch.cuda.get_device_name()
 BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
-PRECISIONS = ("float32", "tf32", "bfloat16", "float16")
+# bf16x6: fp32 matmuls from six bf16 tensor-core products (lab/split_matmul.py)
+PRECISIONS = ("float32", "tf32", "bf16x6", "bfloat16", "float16")
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--out", default="bench_train.json", help="the JSON report")
@@ -71,6 +74,8 @@ parser.add_argument("--parts", nargs="+", default=["train", "nograd", "precision
 parser.add_argument("--shapes", nargs="+", default=["0.5B", "1.5B", "3B", "7B"], choices=SHAPES,
                     help="train uses those up to 1.5B (and tiny), nograd the larger ones, "
                          "precision the 1.5B (or the largest train shape given)")
+parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS,
+                    help="the precision part's options (bf16x6: lab/split_matmul.py)")
 parser.add_argument("--prompts", type=int, default=16,
                     help="prompts of the step (the recipe's 64, reduced to keep a step short; the "
                          "phases' times are per token, so they scale)")
@@ -266,15 +271,16 @@ def nograd_part(args, shape, device, peak, precisions=("float32", "bfloat16")):
         torch.float32, args.micro_batch)
     for precision in precisions:
         tf32 = precision == "tf32"
-        dtype = torch.float32 if tf32 else getattr(torch, precision)
+        dtype = torch.float32 if precision in ("tf32", "bf16x6") else getattr(torch, precision)
         if device.type != "cuda" and dtype == torch.float16:
             result[precision] = {"skipped": "fp16 autocast is timed on CUDA only"}
             continue
         previous = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = tf32
         try:
-            _, seconds, memory = timed(device, train.no_grad_logprobs, model, prompts, responses,
-                                       mask, 1.0, dtype, args.micro_batch)
+            with bf16_pieces(6) if precision == "bf16x6" else contextlib.nullcontext():
+                _, seconds, memory = timed(device, train.no_grad_logprobs, model, prompts,
+                                           responses, mask, 1.0, dtype, args.micro_batch)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = previous
         result[precision] = {"s": seconds, "tokens_per_s": mask.sum().item() / seconds,
@@ -351,7 +357,8 @@ def main(argv=None):
     large = [s for s in args.shapes if s in ("3B", "7B")]
     jobs = [("train", s, train_part) for s in small] + [("nograd", s, nograd_part) for s in large]
     if "precision" in args.parts and small:
-        jobs.append(("precision", small[-1], lambda a, s, d, p: nograd_part(a, s, d, p, PRECISIONS)))
+        jobs.append(("precision", small[-1],
+                     lambda a, s, d, p: nograd_part(a, s, d, p, a.precisions)))
     if "attention" in args.parts and small:
         jobs.append(("attention", small[-1], attention_part))
     for part, shape, run in jobs:

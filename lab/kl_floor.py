@@ -14,8 +14,11 @@ which way such a weight rounds).
     python -m lab.kl_floor --perturb sign-grad --eps 1e-7 --device cuda --bf16-grid --json F
 
 On CUDA it also prints fp32 with TF32 matmuls and fp16 autocast, the options of the trainer's
-no-grad passes that issue 35 times; --bf16-grid first rounds every weight to bf16, as Qwen and
-Llama are released (the embedded model's weights come from a 4-bit GGUF file: 8% bf16 ties).
+no-grad passes that issue 35 times; on a CPU, TF32 emulated (every linear layer's operands rounded
+to TF32, the products summed in fp32), the check that a CPU's emulated matmuls give the GPU's
+floor. On both, fp32 matmuls rebuilt from bf16 pieces (lab/split_matmul.py: 6 or 3 piece products;
+bf16 tensor cores on CUDA). --bf16-grid first rounds every weight to bf16, as Qwen and Llama are
+released (the embedded model's weights come from a 4-bit GGUF file: 8% bf16 ties).
 """
 import argparse
 import contextlib
@@ -24,10 +27,12 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import data
 import kl
 import rollout
+from lab.split_matmul import bf16_pieces, linears
 from model import load_model, load_tokenizer
 from train import token_logprobs
 
@@ -58,6 +63,18 @@ def bf16_grid(model):
         exact += (low_bits == 0).sum().item()
         ties += (low_bits == 0x8000).sum().item()
     return exact / total, ties / total
+
+
+def tf32(x):
+    """x (fp32) rounded to TF32's 10 significand bits, to nearest (ties away from zero)."""
+    bits = x.float().contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+def tf32_linear(x, weight, bias=None):
+    """F.linear with TF32 operands and fp32 sums, as CUDA computes it with TF32 matmuls on."""
+    out = F.linear(tf32(x), tf32(weight))
+    return out if bias is None else out + bias
 
 
 @contextlib.contextmanager
@@ -142,6 +159,14 @@ def main(argv=None):
     with fp32_head(policy), fp32_head(reference):
         rows.append(("bf16 autocast, fp32 lm_head",
                      floor_row(policy, reference, prompts, responses, mask, torch.bfloat16)))
+    for terms in (6, 3):  # fp32 matmuls from bf16 pieces (lab/split_matmul.py)
+        with bf16_pieces(terms):
+            rows.append((f"fp32 from bf16 pieces, {terms} products",
+                         floor_row(policy, reference, prompts, responses, mask, torch.float32)))
+    if device.type == "cpu":  # TF32 as the GPU computes it, to compare the two devices
+        with linears(tf32_linear):
+            rows.append(("fp32, TF32 matmuls (emulated)",
+                         floor_row(policy, reference, prompts, responses, mask, torch.float32)))
     if device.type == "cuda":  # the other options of the no-grad passes (issue 35)
         rows.append(("fp32, TF32 matmuls", floor_row(policy, reference, prompts, responses, mask,
                                                      torch.float32, tf32=True)))

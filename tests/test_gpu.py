@@ -172,3 +172,24 @@ def test_async_queue_is_saved_on_the_cpu_and_resumes_on_cuda(tmp_path, letter_mo
         assert result.returncode == 0, result.stderr[-3000:]
         queue = torch.load(tmp_path / "run" / "final" / "queue_rank0.pt", weights_only=False)
         assert len(queue) == 2 and all(batch["out"].tokens.device.type == "cpu" for batch in queue)
+
+
+def test_fp32_matmuls_from_bf16_tensor_cores_are_as_accurate_as_fp32():
+    """lab/split_matmul.py on CUDA, where each piece product is a bf16 tensor-core GEMM with fp32
+    output (torch.mm's out_dtype): against float64 as accurate as an fp32 matmul, as on a CPU
+    (tests/test_split_matmul.py); three products are not."""
+    import torch.nn.functional as F
+
+    from lab.split_matmul import split_linear
+    from test_split_matmul import operands, relative_error
+
+    x, weight, bias = (t.cuda() for t in operands())
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        fp32 = relative_error(F.linear(x, weight, bias), x, weight, bias)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    six = relative_error(split_linear(x, weight, bias, terms=6), x, weight, bias)
+    three = relative_error(split_linear(x, weight, bias, terms=3), x, weight, bias)
+    assert fp32 < 1e-6 and six < 2 * fp32 + 1e-7 and three > 20 * six

@@ -4,7 +4,8 @@ import copy
 
 import torch
 
-from lab.kl_floor import bf16_grid, floor_row, fp32_head
+from lab.kl_floor import bf16_grid, floor_row, fp32_head, tf32_linear
+from lab.split_matmul import bf16_pieces, linears
 
 
 def tiny_pair(tiny_llama, eps=1e-6):
@@ -34,6 +35,12 @@ def test_fp32_reaches_the_truth_and_bf16_does_not(tiny_llama):
     with fp32_head(policy), fp32_head(reference):
         head32 = floor_row(policy, reference, prompts, responses, mask, torch.bfloat16)
     assert head32[0] > 10 * truth[0]  # an fp32 head alone does not remove the floor
+    with bf16_pieces(6):  # fp32 matmuls from six bf16 products: fp32's floor
+        pieces = floor_row(policy, reference, prompts, responses, mask, torch.float32)
+    assert abs(pieces[0] - truth[0]) < 0.1 * truth[0] and abs(pieces[1] - truth[1]) < 1e-4
+    with linears(tf32_linear):  # TF32, emulated: a floor as bf16's, smaller
+        tf32 = floor_row(policy, reference, prompts, responses, mask, torch.float32)
+    assert bf16[0] > tf32[0] > 3 * truth[0]
     # head restored
     assert floor_row(policy, reference, prompts, responses, mask, torch.bfloat16) == bf16
 

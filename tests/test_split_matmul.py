@@ -1,0 +1,77 @@
+"""lab/split_matmul.py: fp32 matmuls from bf16 pieces, against float64 and the model's fp32 pass."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import train
+from lab.split_matmul import bf16_pieces, bf16_split, split_linear
+
+
+def operands(seed=0):
+    """x with values over 2^-20 .. 2^20 (every piece's exponent differs), a weight, a bias."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(48, 96, generator=g) * 2.0 ** torch.randint(-20, 21, (48, 96), generator=g)
+    weight = torch.randn(40, 96, generator=g) * 0.05
+    return x, weight, torch.randn(40, generator=g)
+
+
+def relative_error(y, x, weight, bias):
+    truth = F.linear(x.double(), weight.double(), bias.double())
+    return ((y.double() - truth).abs() / (x.double().abs() @ weight.double().abs().t())).max()
+
+
+def test_three_bf16_pieces_hold_an_fp32_number_exactly():
+    x = operands()[0]
+    pieces = bf16_split(x)
+    assert all(piece.dtype == torch.bfloat16 for piece in pieces)
+    assert torch.equal(sum(piece.double() for piece in pieces), x.double())
+    assert not torch.equal(sum(piece.double() for piece in pieces[:2]), x.double())
+
+
+def test_six_products_are_as_accurate_as_fp32_and_three_are_not():
+    """Error relative to |x| |W|^T (the sum's own scale), against float64: fp32 accumulation's
+    ~1e-7 for six products and for fp32 itself, ~2^-16 for three (the pairs of weight 2^-16 they
+    drop are what the KL of a small step lives in: docs/precision.md)."""
+    x, weight, bias = operands()
+    fp32 = relative_error(F.linear(x, weight, bias), x, weight, bias)
+    six = relative_error(split_linear(x, weight, bias, terms=6), x, weight, bias)
+    three = relative_error(split_linear(x, weight, bias, terms=3), x, weight, bias)
+    assert fp32 < 1e-6 and six < 2 * fp32 + 1e-7
+    assert three > 1e-6 and three > 20 * six
+
+
+def test_a_model_under_bf16_pieces_gives_its_fp32_log_probs(tiny_llama):
+    """train.token_logprobs on a tiny Llama: under bf16_pieces(6) every linear layer (its output
+    layer too) goes through split_linear, and the log-probs are fp32's; bf16 autocast's are far."""
+    model = tiny_llama(128, num_attention_heads=4, num_key_value_heads=2).requires_grad_(False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)  # logits of a real model's size (~20-30)
+    prompts = [[5, 9, 2, 7], [5, 9, 2, 7], [3, 4]]
+    responses = torch.randint(0, 128, (3, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, 24)
+
+    def logp(dtype=torch.float32):
+        return train.token_logprobs(model, prompts, responses, mask, 1.0, dtype)[0].double()
+
+    truth = train.token_logprobs(model.double(), prompts, responses, mask, 1.0,
+                                 torch.float32)[0]
+    model.float()
+    fp32, bf16 = logp(), logp(torch.bfloat16)
+    with bf16_pieces(6):
+        six = logp()
+    with bf16_pieces(3):
+        three = logp()
+    fp32_error = (fp32 - truth).abs().max()
+    assert (six - truth).abs().max() < 3 * fp32_error + 1e-6
+    assert (three - truth).abs().max() > 10 * fp32_error  # the mode did run: 3 products show
+    assert (bf16 - truth).abs().max() > 1000 * fp32_error
+
+
+def test_bf16_pieces_takes_six_or_three_products_and_restores_cublas_setting():
+    with pytest.raises(ValueError, match="terms"):
+        with bf16_pieces(4):
+            pass
+    before = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    with bf16_pieces(6):
+        assert not torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction == before

@@ -292,7 +292,7 @@ def attention_part(args, shape, device, peak):
     """The packed passes with the block mask (train.py's) and by segments (lab.segment_attention):
     the fp32 no-grad pass and the gradient pass (forward and backward in the compute dtype, no
     optimizer), each timed with its peak memory and attention ops, and the log-probs' largest
-    difference."""
+    difference; by segments also the no-grad pass with fp32 matmuls from bf16 pieces (bf16x6)."""
     from lab import segment_attention
 
     dtype = runtime.compute_dtype("auto", device)
@@ -319,9 +319,14 @@ def attention_part(args, shape, device, peak):
                 device, train.no_grad_logprobs, model, prompts, responses, mask, 1.0,
                 torch.float32, args.micro_batch)
             _, grad_s, grad_peak = timed(device, gradient_pass)
-        result[name] = {"nograd_s": nograd_s, "nograd_peak_bytes": nograd_peak,
-                        "gradient_pass_s": grad_s, "gradient_peak_bytes": grad_peak,
-                        "attention_ops_nograd": ops}
+            result[name] = {"nograd_s": nograd_s, "nograd_peak_bytes": nograd_peak,
+                            "gradient_pass_s": grad_s, "gradient_peak_bytes": grad_peak,
+                            "attention_ops_nograd": ops}
+            if name == "segments":  # with fp32 matmuls from bf16 pieces too (docs/precision.md)
+                with bf16_pieces(6):
+                    _, result[name]["nograd_bf16x6_s"], _ = timed(
+                        device, train.no_grad_logprobs, model, prompts, responses, mask, 1.0,
+                        torch.float32, args.micro_batch)
     result["max_abs_logp_difference"] = (logps["block_mask"] - logps["segments"]).abs().max().item()
     return result
 

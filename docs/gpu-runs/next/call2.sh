@@ -24,8 +24,8 @@ else
       | tee $OUT/kl_floor.log
 fi
 echo "== kl_floor done at $((SECONDS-T0)) s" | tee -a $OUT/kl_floor.log
-# 3. attention by segments against the block mask at the 1.5B shape (random weights)
-timeout 70 python3 -m lab.bench_train --parts attention --shapes 1.5B --out $OUT/bench_attention.json 2>&1 \
+# 3. attention by segments against the block mask at the 1.5B shape (random weights; by segments also bf16x6)
+timeout 80 python3 -m lab.bench_train --parts attention --shapes 1.5B --out $OUT/bench_attention.json 2>&1 \
     | tee -a $OUT/bench_train.log
 echo "== attention done at $((SECONDS-T0)) s" | tee -a $OUT/bench_train.log
 # 4. the memory plan beside train.py's own CUDA peaks on the embedded model

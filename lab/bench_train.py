@@ -279,6 +279,8 @@ def nograd_part(args, shape, device, peak, precisions=("float32", "bfloat16")):
         torch.backends.cuda.matmul.allow_tf32 = tf32
         try:
             with bf16_pieces(6) if precision == "bf16x6" else contextlib.nullcontext():
+                train.no_grad_logprobs(model, prompts[warm], responses[warm], mask[warm], 1.0,
+                                       dtype, args.micro_batch)  # this precision's kernels
                 _, seconds, memory = timed(device, train.no_grad_logprobs, model, prompts,
                                            responses, mask, 1.0, dtype, args.micro_batch)
         finally:
@@ -324,6 +326,8 @@ def attention_part(args, shape, device, peak):
                             "attention_ops_nograd": ops}
             if name == "segments":  # with fp32 matmuls from bf16 pieces too (docs/precision.md)
                 with bf16_pieces(6):
+                    train.no_grad_logprobs(model, prompts[warm], responses[warm], mask[warm], 1.0,
+                                           torch.float32, args.micro_batch)
                     _, result[name]["nograd_bf16x6_s"], _ = timed(
                         device, train.no_grad_logprobs, model, prompts, responses, mask, 1.0,
                         torch.float32, args.micro_batch)

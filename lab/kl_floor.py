@@ -15,10 +15,11 @@ which way such a weight rounds).
 
 On CUDA it also prints fp32 with TF32 matmuls and fp16 autocast, the options of the trainer's
 no-grad passes that issue 35 times; on a CPU, TF32 emulated (every linear layer's operands rounded
-to TF32, the products summed in fp32), the check that a CPU's emulated matmuls give the GPU's
-floor. On both, fp32 matmuls rebuilt from bf16 pieces (lab/split_matmul.py: 6 or 3 piece products;
-bf16 tensor cores on CUDA). --bf16-grid first rounds every weight to bf16, as Qwen and Llama are
-released (the embedded model's weights come from a 4-bit GGUF file: 8% bf16 ties).
+to TF32, to nearest or truncated, the products summed in fp32), to compare a CPU's emulated
+matmuls with the GPU's floor. On both, fp32 matmuls rebuilt from bf16 pieces (lab/split_matmul.py:
+6 or 3 piece products; bf16 tensor cores on CUDA). --bf16-grid first rounds every weight to bf16,
+as Qwen and Llama are released (the embedded model's weights come from a 4-bit GGUF file: 8% bf16
+ties).
 """
 import argparse
 import contextlib
@@ -65,15 +66,16 @@ def bf16_grid(model):
     return exact / total, ties / total
 
 
-def tf32(x):
-    """x (fp32) rounded to TF32's 10 significand bits, to nearest (ties away from zero)."""
+def tf32(x, truncate=False):
+    """x (fp32) with TF32's 10 significand bits: to nearest (ties away from zero), or truncated
+    (which of the two a GPU's tensor cores do with fp32 input is not documented)."""
     bits = x.float().contiguous().view(torch.int32)
-    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+    return ((bits if truncate else bits + 0x1000) & ~0x1FFF).view(torch.float32)
 
 
-def tf32_linear(x, weight, bias=None):
+def tf32_linear(x, weight, bias=None, truncate=False):
     """F.linear with TF32 operands and fp32 sums, as CUDA computes it with TF32 matmuls on."""
-    out = F.linear(tf32(x), tf32(weight))
+    out = F.linear(tf32(x, truncate), tf32(weight, truncate))
     return out if bias is None else out + bias
 
 
@@ -164,9 +166,10 @@ def main(argv=None):
             rows.append((f"fp32 from bf16 pieces, {terms} products",
                          floor_row(policy, reference, prompts, responses, mask, torch.float32)))
     if device.type == "cpu":  # TF32 as the GPU computes it, to compare the two devices
-        with linears(tf32_linear):
-            rows.append(("fp32, TF32 matmuls (emulated)",
-                         floor_row(policy, reference, prompts, responses, mask, torch.float32)))
+        for truncate, name in ((False, "to nearest"), (True, "truncated")):
+            with linears(lambda x, w, b: tf32_linear(x, w, b, truncate)):
+                rows.append((f"fp32, TF32 matmuls (emulated, {name})",
+                             floor_row(policy, reference, prompts, responses, mask, torch.float32)))
     if device.type == "cuda":  # the other options of the no-grad passes (issue 35)
         rows.append(("fp32, TF32 matmuls", floor_row(policy, reference, prompts, responses, mask,
                                                      torch.float32, tf32=True)))

@@ -4,14 +4,15 @@ import torch
 import torch.nn.functional as F
 
 import train
-from lab.split_matmul import bf16_pieces, bf16_split, split_linear
+from lab.split_matmul import bf16_pieces, bf16_split, linears, split_linear
 
 
-def operands(seed=0):
-    """x with values over 2^-20 .. 2^20 (every piece's exponent differs), a weight, a bias."""
+def operands(seed=0, k=96):
+    """x with values over 2^-20 .. 2^20 (every piece's exponent differs), a weight, a bias; k the
+    inner dimension."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(48, 96, generator=g) * 2.0 ** torch.randint(-20, 21, (48, 96), generator=g)
-    weight = torch.randn(40, 96, generator=g) * 0.05
+    x = torch.randn(48, k, generator=g) * 2.0 ** torch.randint(-20, 21, (48, k), generator=g)
+    weight = torch.randn(40, k, generator=g) * 0.05
     return x, weight, torch.randn(40, generator=g)
 
 
@@ -21,7 +22,12 @@ def relative_error(y, x, weight, bias):
 
 
 def test_three_bf16_pieces_hold_an_fp32_number_exactly():
-    x = operands()[0]
+    """Exact for |x| from 2^-110 to 2^127 (below, bf16's subnormals lose bits; above ~3.39e38 the
+    first piece is inf: the docstring says so)."""
+    g = torch.Generator().manual_seed(0)
+    exponents = torch.randint(-110, 127, (4096,), generator=g).double()
+    signs = torch.randint(0, 2, (4096,), generator=g) * 2 - 1
+    x = (signs * (1 + torch.rand(4096, generator=g, dtype=torch.float64)) * 2 ** exponents).float()
     pieces = bf16_split(x)
     assert all(piece.dtype == torch.bfloat16 for piece in pieces)
     assert torch.equal(sum(piece.double() for piece in pieces), x.double())
@@ -67,11 +73,26 @@ def test_a_model_under_bf16_pieces_gives_its_fp32_log_probs(tiny_llama):
     assert (bf16 - truth).abs().max() > 1000 * fp32_error
 
 
-def test_bf16_pieces_takes_six_or_three_products_and_restores_cublas_setting():
-    with pytest.raises(ValueError, match="terms"):
-        with bf16_pieces(4):
-            pass
-    before = torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+def test_every_linear_layer_is_replaced_however_it_is_called(tiny_llama):
+    """Every nn.Linear of the model (its output layer too) goes through the replacement under
+    no_grad, F.linear called with keywords works, autocast is refused, terms are 6 or 3."""
+    model = tiny_llama(128, num_attention_heads=4, num_key_value_heads=2).requires_grad_(False)
+    calls = []
+
+    def counted(x, weight, bias):
+        calls.append(weight.shape)
+        return F.linear(x.double(), weight.double(), bias).float()  # the mode is off inside
+
+    with torch.no_grad(), linears(counted):
+        model(input_ids=torch.tensor([[5, 9, 2, 7]]))
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert len(calls) == len(layers) and model.lm_head.weight.shape in calls
+    x, weight, bias = operands()
     with bf16_pieces(6):
-        assert not torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
-    assert torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction == before
+        by_keywords = F.linear(input=x, weight=weight, bias=bias)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with pytest.raises(RuntimeError, match="autocast"):
+                F.linear(x, weight, bias)
+    assert torch.equal(by_keywords, split_linear(x, weight, bias, terms=6))
+    with pytest.raises(ValueError, match="terms"):
+        bf16_pieces(4)

@@ -14,7 +14,7 @@ RUNS = {"CPU (this folder)": ROOT / "studies/precision-split",
 
 
 def weight_sizes():
-    """The 10th, 50th and 90th percentiles of |w| over the embedded model's matrices (a 1e6 sample)."""
+    """The 10th, 50th and 90th percentiles of |w| over the embedded model's matrices (1e6 drawn)."""
     import torch
 
     sys.path.insert(0, str(ROOT))
@@ -39,11 +39,13 @@ def main():
                 continue
             run = json.loads(path.read_text())
             truth = run["rows"]["float64 (the truth)"]
-            print(f"\n{machine}, {model} model: {run['bf16_exact']:.1%} of the weights bf16 numbers, "
-                  f"the step moved {run['moved']:.2%} across a bf16 boundary")
-            print("| log-probs | std | K1 | K1 vs truth | K3 | K3 vs truth |\n|---|---|---|---|---|---|")
+            print(f"\n{machine}, {model} model: {run['bf16_exact']:.1%} of the weights bf16 "
+                  f"numbers, the step moved {run['moved']:.2%} across a bf16 boundary")
+            print("| log-probs | std | K1 | K1 vs truth | K3 | K3 vs truth |")
+            print("|---|---|---|---|---|---|")
             for option, row in run["rows"].items():
-                k1, k3 = row["k1"] / truth["k1"] - 1, row["k3"] / truth["k3"] - 1
+                # + 0.0 after rounding: no "-0.00%"
+                k1, k3 = (round(row[k] / truth[k] - 1, 4) + 0.0 for k in ("k1", "k3"))
                 print(f"| {option} | {row['std']:.3g} | {row['k1']:.4g} | {k1:+.2%} | "
                       f"{row['k3']:.4g} | {k3:+.2%} |")
 

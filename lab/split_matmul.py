@@ -21,8 +21,6 @@ model's projections and its output layer; attention's own matmuls stay fp32). la
 measures its KL floor, `lab.bench_train --parts precision` its time; train.py keeps plain fp32
 until a GPU run says (the rule of docs/precision.md).
 """
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -87,11 +85,9 @@ class _Linears(TorchFunctionMode):
         return self.linear(x, weight, bias)
 
 
-@contextlib.contextmanager
 def linears(linear):
     """Inside the `with`, every fp32 F.linear(x, weight, bias) runs as linear(x, weight, bias)."""
-    with _Linears(linear):
-        yield
+    return _Linears(linear)
 
 
 def bf16_pieces(terms=6):

@@ -5,6 +5,8 @@ every figure there about this run is printed here from results.json.
     python studies/kl-gradients-whole/verdicts.py [results.json]
 
 Written before the run's results were read, and checked then on a synthetic file of the same shape.
+Changed after: the blocks' shares of the squared norms now include each block's weight (a block's
+view is unweighted); the secondary verdict, a comparison of two ratios, is the same either way.
 """
 import json
 import math
@@ -130,13 +132,26 @@ def main(path=HERE / "results.json"):
                   f"{fmt(d)} vs {dlo} to {dhi}: {judge_range(d, dlo, dhi)}; model against layer: "
                   f"{judge_pair(d)}")
 
-        # secondary, by points: the embed share of ||p3||^2 over its share of ||grad KL||^2 is
-        # (rel. bias of K3-in-reward in embed / in model)^2, since ||p3|| = rel_bias * ||grad KL||
-        rb = {v: views[v]["rows"]["k3_reward"]["rel_bias"][0] for v in ("embed", "model", "layer")}
-        share_g = views["embed"]["grad_kl"]["norm2"][0] / model["grad_kl"]["norm2"][0]
-        share_p3 = share_g * (rb["embed"] / rb["model"]) ** 2
-        print(f"- secondary: embed's share of ||p3||^2 {share_p3:.3f} against its share of "
-              f"||grad KL||^2 {share_g:.3f}: {'as predicted' if share_p3 > share_g else 'not'}")
+        # secondary, by points. A block's view is its kept coordinates, unweighted; times its
+        # weight (parameters per kept coordinate) it estimates the block's squared norm, and its
+        # share of ||p3||^2 is its share of ||grad KL||^2 times (its rel. bias of K3-in-reward over
+        # the model's)^2, since ||p3|| = rel_bias * ||grad KL|| (eq. 45: E = grad KL - p3)
+        blocks = list(views)[:len(dist["weights"])]
+        gm, rbm = model["grad_kl"]["norm2"][0], model["rows"]["k3_reward"]["rel_bias"][0]
+        share = {}
+        print("\n| block | share of ||grad KL||^2 | share of ||p3||^2 | cos K3-in-loss | "
+              "cos K3-in-reward |")
+        print("|---|---|---|---|---|")
+        for block, weight in zip(blocks, dist["weights"]):
+            rows = views[block]["rows"]
+            g = weight * views[block]["grad_kl"]["norm2"][0] / gm
+            share[block] = (g, g * (rows["k3_reward"]["rel_bias"][0] / rbm) ** 2)
+            print(f"| {block} | {g:.4f} | {share[block][1]:.4f} | {rows['k3_loss']['cos'][0]:.2f} "
+                  f"| {rows['k3_reward']['cos'][0]:.2f} |")
+        share_g, share_p3 = share["embed"]
+        rb = {v: views[v]["rows"]["k3_reward"]["rel_bias"][0] for v in ("model", "layer")}
+        print(f"- secondary: embed's share of ||p3||^2 {share_p3:.4f} against its share of "
+              f"||grad KL||^2 {share_g:.4f}: {'as predicted' if share_p3 > share_g else 'not'}")
         print(f"- secondary: K3-in-reward's relative bias, model {rb['model']:.2f} against layer "
               f"{rb['layer']:.2f}: {'as predicted' if rb['model'] > rb['layer'] else 'not'}")
 

@@ -8,7 +8,10 @@ vocabulary), and the expected number of sampled tokens of ratio over R (`tail_pr
 at most 10, (10, 100], (100, 1000] and over 1,000: K3 drawn there against expected, the number of
 sequences that drew a token there against the expected number of such tokens, and the K3 a draw
 carries (drawn: the mean over the sequences that drew one; expected: the exact mass over the expected
-count).
+count). For each bin also the sequences expected to draw at least one: each sequence's probability
+taken as 1 - exp(-lambda), lambda its expected number of draws there (a Poisson count; for a sum of
+Bernoullis it is a lower bound), with the central 95% of their number and the probability of at most
+the number drawn, from 100,000 simulated sets of sequences.
 
     python studies/kl-gradients-whole/tail_bins.py /work/runs/kl-gradients-whole/chunks 24 \\
         > studies/kl-gradients-whole/tail_bins.txt     # the first 24 chunks: results.json's groups
@@ -30,6 +33,18 @@ def per_sequence(directory, chunks):
     return {k: np.concatenate([s[k] for s in seqs]) for k in seqs[0]}, len(seqs)
 
 
+def sequences_drawing(count, drawn, simulations=100_000, seed=0):
+    """The central 95% of the number of sequences that draw at least one token of the bin, each
+    with probability 1 - exp(-its expected count), and P(that number <= drawn), simulated."""
+    p = 1 - np.exp(-count)
+    p = p[p > 0]
+    rng = np.random.default_rng(seed)
+    n = np.concatenate([(rng.random((10_000, len(p))) < p).sum(1)
+                        for _ in range(simulations // 10_000)])
+    low, high = np.quantile(n, [0.025, 0.975])
+    return int(low), int(high), float((n <= drawn).mean())
+
+
 def mass(s, R, exact):
     """K3 over tokens of ratio <= R (None: every token), drawn or exact, per sequence."""
     if R is None:
@@ -43,20 +58,23 @@ def main(root, chunks=24):
         n = len(s["k3"])
         print(f"\n## {directory.name}: {chunks} chunks, {n} sequences")
         print("| ratio bin | K3 drawn, nats a sequence | expected | sequences that drew one "
-              "| expected draws | K3 a draw: drawn | expected | largest drawn |")
-        print("|---|---|---|---|---|---|---|---|")
+              "| expected draws | expected sequences [95%], P(at most drawn) | K3 a draw: drawn "
+              "| expected | largest drawn |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for label, low, high in BINS:
             drawn = mass(s, high, False) - (mass(s, low, False) if low else 0)
             expected = mass(s, high, True) - (mass(s, low, True) if low else 0)
             if low is None:
                 print(f"| {label} | {drawn.mean():.3f} | {expected.mean():.3f} | - | - | - | - "
-                      f"| - |")
+                      f"| - | - |")
                 continue
             count = s[f"tail_prob_{low}"] - (s[f"tail_prob_{high}"] if high else 0)
             hit = np.abs(drawn) > 1e-9
             per_draw = drawn[hit].mean() if hit.any() else float("nan")
+            low_, high_, p_low = sequences_drawing(count, hit.sum())
             print(f"| {label} | {drawn.mean():.4f} | {expected.mean():.4f} | {hit.sum()} "
-                  f"| {count.sum():.1f} | {per_draw:.1f} | {expected.sum() / count.sum():.1f} "
+                  f"| {count.sum():.1f} | {(1 - np.exp(-count)).sum():.1f} [{low_}, {high_}], "
+                  f"{p_low:.4f} | {per_draw:.1f} | {expected.sum() / count.sum():.1f} "
                   f"| {drawn.max():.1f} |")
 
 

@@ -1,12 +1,13 @@
 """The whole-model run's verdicts (issue 36), by the rules committed before it ran
-(docs/kl_gradients.md, "Whole model (issue 36)"), and the table rows docs/kl_gradients.md quotes:
-every figure there about this run is printed here from results.json.
+(docs/kl_gradients.md, "Whole model (issue 36)"), from results.json: the cosines, verdicts, blocks'
+shares and tail checks that docs/kl_gradients.md quotes about this run, and its table's rows.
 
     python studies/kl-gradients-whole/verdicts.py [results.json]
 
 Written before the run's results were read, and checked then on a synthetic file of the same shape.
-Changed after: the blocks' shares of the squared norms now include each block's weight (a block's
-view is unweighted); the secondary verdict, a comparison of two ratios, is the same either way.
+Changed after: the table of blocks (shares and cosines) was added, and the blocks' shares now include
+each block's weight (a block's view is unweighted); the secondary verdict, a comparison of two
+ratios, is the same either way.
 """
 import json
 import math

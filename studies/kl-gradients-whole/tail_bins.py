@@ -54,7 +54,7 @@ def mass(s, R, exact):
 
 def main(root, chunks=24):
     for directory in sorted(Path(root).iterdir()):
-        s, chunks = per_sequence(directory, int(chunks))
+        s, chunks = per_sequence(directory, int(chunks))  # the first 24: results.json's groups
         n = len(s["k3"])
         print(f"\n## {directory.name}: {chunks} chunks, {n} sequences")
         print("| ratio bin | K3 drawn, nats a sequence | expected | sequences that drew one "
@@ -71,10 +71,10 @@ def main(root, chunks=24):
             count = s[f"tail_prob_{low}"] - (s[f"tail_prob_{high}"] if high else 0)
             hit = np.abs(drawn) > 1e-9
             per_draw = drawn[hit].mean() if hit.any() else float("nan")
-            low_, high_, p_low = sequences_drawing(count, hit.sum())
+            seq_low, seq_high, p_at_most = sequences_drawing(count, hit.sum())
             print(f"| {label} | {drawn.mean():.4f} | {expected.mean():.4f} | {hit.sum()} "
-                  f"| {count.sum():.1f} | {(1 - np.exp(-count)).sum():.1f} [{low_}, {high_}], "
-                  f"{p_low:.4f} | {per_draw:.1f} | {expected.sum() / count.sum():.1f} "
+                  f"| {count.sum():.1f} | {(1 - np.exp(-count)).sum():.1f} [{seq_low}, {seq_high}], "
+                  f"{p_at_most:.4f} | {per_draw:.1f} | {expected.sum() / count.sum():.1f} "
                   f"| {drawn.max():.1f} |")
 
 

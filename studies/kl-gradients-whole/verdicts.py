@@ -36,13 +36,13 @@ def fmt(v, digits=2):
     return f"{v[0]:.{digits}f} [{v[1]:.{digits}f}, {v[2]:.{digits}f}]"
 
 
-def sci(v):
-    return f"{v[0]:.1e} [{v[1]:.1e}, {v[2]:.1e}]".replace("e-0", "e-")
-
-
 # the cell formats of docs/kl_gradients.md's table (its snippet's sci, dec and big)
 def table_sci(v):
     return [f"{x:.1e}".replace("e-0", "e-") for x in v]
+
+
+def sci(v):
+    return "{} [{}, {}]".format(*table_sci(v))
 
 
 def dec(v, near=math.inf):  # 2 decimals; 3 for a point above `near` or a value under 0.01

@@ -15,6 +15,7 @@ the number drawn, from 100,000 simulated sets of sequences.
 
     python studies/kl-gradients-whole/tail_bins.py /work/runs/kl-gradients-whole/chunks 24 \\
         > studies/kl-gradients-whole/tail_bins.txt     # the first 24 chunks: results.json's groups
+    python studies/kl-gradients-whole/tail_bins.py /work/runs/kl-gradients-whole/chunks/step_5 48
 """
 import sys
 from pathlib import Path
@@ -53,7 +54,9 @@ def mass(s, R, exact):
 
 
 def main(root, chunks=24):
-    for directory in sorted(Path(root).iterdir()):
+    """`root`: the chunks of one distance, or a folder of distances (each read to `chunks`)."""
+    root = Path(root)
+    for directory in [root] if any(root.glob("chunk_*.pt")) else sorted(root.iterdir()):
         s, chunks = per_sequence(directory, int(chunks))  # the first 24: results.json's groups
         n = len(s["k3"])
         print(f"\n## {directory.name}: {chunks} chunks, {n} sequences")

@@ -57,7 +57,7 @@ def main(root, chunks=24):
     """`root`: the chunks of one distance, or a folder of distances (each read to `chunks`)."""
     root = Path(root)
     for directory in [root] if any(root.glob("chunk_*.pt")) else sorted(root.iterdir()):
-        s, chunks = per_sequence(directory, int(chunks))  # the first 24: results.json's groups
+        s, chunks = per_sequence(directory, int(chunks))  # the first `chunks`: results.json's groups
         n = len(s["k3"])
         print(f"\n## {directory.name}: {chunks} chunks, {n} sequences")
         print("| ratio bin | K3 drawn, nats a sequence | expected | sequences that drew one "

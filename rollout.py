@@ -335,13 +335,15 @@ def static_step(model, cache, state, span):
 
 
 @functools.cache
-def compiled_step():
-    """static_step compiled by torch.compile (Inductor on CUDA): its ~37 ops a layer fused into
-    fewer kernels, gpt-fast's recipe for a step whose kernels each cost more than their work (a
-    graphed SmolLM2 step: ~4 ms for ~0.1 ms of memory traffic, docs/benchmarks.md). The span is an
-    int: the first call of a new span recompiles it as a symbol, so a call compiles twice. Opt-in
-    (generate(compiled=True)) until a GPU measures it."""
-    return torch.compile(static_step, fullgraph=True)
+def compiled_step(backend="inductor"):
+    """static_step compiled by torch.compile (Inductor on CUDA; the tests trace it with another
+    backend): its ~37 ops a layer fused into fewer kernels, gpt-fast's recipe for a step whose
+    kernels each cost more than their work (a graphed SmolLM2 step: ~4 ms for ~0.1 ms of memory
+    traffic, docs/benchmarks.md). Compiled with symbolic shapes from the first call (dynamic=True):
+    the span and the cache's length change with the batch, and a compile specialized to the first
+    would recompile at the second with them symbolic. Opt-in (generate(compiled=True)) until a GPU
+    measures it."""
+    return torch.compile(static_step, fullgraph=True, dynamic=True, backend=backend)
 
 
 def capture(step, pool):

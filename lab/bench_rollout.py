@@ -63,14 +63,15 @@ decode.add_argument("--steps", nargs=2, type=int, metavar=("N1", "N2"),
 decode.add_argument("--prompt-len", type=int,
                     help="tokens of each random prompt (default: 128; CPU: 16)")
 decode.add_argument("--repeats", type=int, default=3, help="timed repeats (median)")
-decode.add_argument("--eos-tokens", type=int, help="max new tokens, EOS on (default 128; CPU 24)")
+decode.add_argument("--eos-tokens", type=int,
+                    help="max new tokens, EOS on (default 128; CPU 24; 0: no EOS-on part)")
 decode.add_argument("--hf-compiled", nargs="*", default=["smollm2-135m:64"], metavar="MODEL:BATCH",
                     help="where model.generate also runs with its static cache + torch.compile "
                          "(CUDA only; each shape compiles anew, a minute each)")
 decode.add_argument("--ours-compiled", nargs="*", default=["smollm2-135m:64"],
                     metavar="MODEL:BATCH",
                     help="where ours also runs with its step compiled by torch.compile before the "
-                         "capture (rollout.compiled_step; CUDA only; two compiles a shape)")
+                         "capture (rollout.compiled_step; CUDA only; a compile a shape)")
 decode.add_argument("--profile", nargs="*", default=[], metavar="MODEL:BATCH",
                     help="where a decode step is also profiled (torch.profiler): each kernel's "
                          "time a step, ours graphed and eager (e.g. qwen2.5-7b:256)")
@@ -335,11 +336,13 @@ def warm(runs, n, longest, report):
     """One untimed call of each sampler (kernels, allocator, compiles); a sampler that fails is
     dropped, and the report says why. Returns the warm-up seconds of those kept. The compiled
     model.generate warms up at the longest length: its static cache keeps the longest length seen,
-    so the timed calls meet no new shape."""
+    so the timed calls meet no new shape; our compiled step at both (a new length is a new cache
+    shape: its graphs are captured anew, and a compile that specialized would recompile)."""
     seconds = {}
     for name, fn in list(runs.items()):
+        lengths = {"ours compiled": (longest, n), "hf static+compile": (longest,)}.get(name, (n,))
         try:
-            seconds[name] = timed(fn, longest if "compile" in name else n, 1000)[0]
+            seconds[name] = sum(timed(fn, length, 1000)[0] for length in lengths)
         except Exception as error:  # noqa: BLE001  (e.g. a compile that fails here)
             report.append(dict(sampler=name, status=f"failed: {str(error).splitlines()[0]}"))
             del runs[name]
@@ -368,24 +371,30 @@ def step_part(name, rows, n1, n2, prompt_len, dtype, bandwidth, report, write):
     span = prompt_len + (n1 + n2) / 2  # live slots of a row, averaged over the timed steps
     floor_ms = floor_bytes(model, rows, span) / bandwidth * 1e3
 
-    def measure(sampler, fn, repeat):
-        (wall1, cpu1), (wall2, cpu2) = timed(fn, n1, repeat), timed(fn, n2, repeat)
-        return (wall2 - wall1) / (n2 - n1) * 1e3, (cpu2 - cpu1) / (n2 - n1) * 1e3
-    times = alternated(runs, measure, args.repeats)
-    for sampler, values in times.items():
-        ms = median([wall for wall, _ in values])
-        report.append(dict(model=name, real_weights=real, batch=rows, sampler=sampler, ms=ms,
-                           ms_repeats=[wall for wall, _ in values],
-                           cpu_ms=median([cpu for _, cpu in values]), floor_ms=floor_ms,
-                           floor_fraction=floor_ms / ms, warmup_s=warmup[sampler]))
-        print(f"  {name:13s} batch {rows:4d} {sampler:18s} {ms:8.2f} ms/step "
-              f"(repeats {', '.join(f'{wall:.2f}' for wall, _ in values)}; CPU "
-              f"{report[-1]['cpu_ms']:.2f} ms), HBM floor {floor_ms:.2f} ms = "
-              f"{floor_ms / ms:.1%} reached", flush=True)
     report += [dict(model=name, batch=rows, **row) for row in failed]
     for row in failed:
         print(f"  {name:13s} batch {rows:4d} {row['sampler']:18s} {row['status']}", flush=True)
+    # a row per sampler now, its median over the repeats so far: a timeout keeps what finished
+    rows_of = {sampler: dict(model=name, real_weights=real, batch=rows, sampler=sampler,
+                             ms_repeats=[], cpu_ms_repeats=[], floor_ms=floor_ms,
+                             warmup_s=warmup[sampler]) for sampler in runs}
+    report += rows_of.values()
     write()
+
+    def measure(sampler, fn, repeat):
+        (wall1, cpu1), (wall2, cpu2) = timed(fn, n1, repeat), timed(fn, n2, repeat)
+        row = rows_of[sampler]
+        row["ms_repeats"].append((wall2 - wall1) / (n2 - n1) * 1e3)
+        row["cpu_ms_repeats"].append((cpu2 - cpu1) / (n2 - n1) * 1e3)
+        row["ms"], row["cpu_ms"] = median(row["ms_repeats"]), median(row["cpu_ms_repeats"])
+        row["floor_fraction"] = floor_ms / row["ms"]
+        write()
+    alternated(runs, measure, args.repeats)
+    for sampler, row in rows_of.items():
+        print(f"  {name:13s} batch {rows:4d} {sampler:18s} {row['ms']:8.2f} ms/step "
+              f"(repeats {', '.join(f'{wall:.2f}' for wall in row['ms_repeats'])}; CPU "
+              f"{row['cpu_ms']:.2f} ms), HBM floor {floor_ms:.2f} ms = "
+              f"{row['floor_fraction']:.1%} reached", flush=True)
     del model, runs
     if DEVICE.type == "cuda":
         torch.cuda.empty_cache()
@@ -570,7 +579,8 @@ def decode_benchmark():
     order = list(dict.fromkeys([(models[0], batches[0]), (models[-1], batches[-1])]
                                + [(m, b) for m in models for b in batches]))
     first = 2 if len(order) > 1 else 1
-    plan = [("step", m, b) for m, b in order[:first]] + [("eos", models[0], batches[0])]
+    plan = [("step", m, b) for m, b in order[:first]]
+    plan += [("eos", models[0], batches[0])] if args.eos_tokens != 0 else []
     plan += [("profile", m, int(b)) for m, b in (shape.split(":") for shape in args.profile)]
     # the sync check last: an error raised inside a graph capture can leave CUDA unusable
     plan += [("step", m, b) for m, b in order[first:]] + [("sync", models[0], batches[0])]

@@ -233,14 +233,7 @@ def train_part(args, shape, device, peak):
     result["attention_ops_gradient"] = sorted(mode.ops)
     policy.zero_grad(set_to_none=True)
     for checkpointing in (True, False):
-        if checkpointing:  # as train.py turns it on
-            getattr(policy, "activation_checkpointing_enable",
-                    policy.gradient_checkpointing_enable)({"use_reentrant": False})
-            policy.train()
-            runtime.no_dropout(policy)
-        else:
-            getattr(policy, "activation_checkpointing_disable",
-                    policy.gradient_checkpointing_disable)()
+        set_checkpointing(policy, checkpointing)
         try:
             _, seconds, memory = timed(device, train.update, flags, policy, optimizer, batch,
                                        torch.arange(len(prompts)), True)
@@ -290,18 +283,32 @@ def nograd_part(args, shape, device, peak, precisions=("float32", "bfloat16")):
     return result
 
 
+def set_checkpointing(model, on):
+    """Activation checkpointing on (as train.py turns it on: its default) or off."""
+    if on:
+        getattr(model, "activation_checkpointing_enable",
+                model.gradient_checkpointing_enable)({"use_reentrant": False})
+        model.train()
+        runtime.no_dropout(model)
+    else:
+        getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()
+
+
 def attention_part(args, shape, device, peak):
     """The packed passes with the block mask (train.py's) and by segments (lab.segment_attention):
     the fp32 no-grad pass and the gradient pass (forward and backward in the compute dtype, no
-    optimizer), each timed with its peak memory and attention ops, and the log-probs' largest
-    difference; by segments also the no-grad pass with fp32 matmuls from bf16 pieces (bf16x6)."""
+    optimizer, activation checkpointing on as in train.py), each timed with its peak memory and
+    attention ops, and the log-probs' largest difference; by segments also the no-grad pass with
+    fp32 matmuls from bf16 pieces (bf16x6). A variant out of memory is reported as such, and the
+    other still runs."""
     from lab import segment_attention
 
     dtype = runtime.compute_dtype("auto", device)
     model = build(shape, device)
+    set_checkpointing(model, True)
     prompts, responses, mask = batch_of(args, model.config.vocab_size, device)
     result = {"shape": shape, "rows": len(prompts)}
-    logps = {}
+    logps, warm = {}, slice(0, args.group_size)
 
     def gradient_pass():
         for start, size in zip(*micro_batch_starts(prompts, args.micro_batch)):
@@ -311,27 +318,35 @@ def attention_part(args, shape, device, peak):
             logp.sum().backward()
         model.zero_grad(set_to_none=True)
 
+    def variant(name):
+        ops = attention_ops(train.no_grad_logprobs, model, prompts[warm], responses[warm],
+                            mask[warm], 1.0, torch.float32, args.micro_batch)
+        (logps[name], _), nograd_s, nograd_peak = timed(
+            device, train.no_grad_logprobs, model, prompts, responses, mask, 1.0, torch.float32,
+            args.micro_batch)
+        _, grad_s, grad_peak = timed(device, gradient_pass)
+        result[name] = {"nograd_s": nograd_s, "nograd_peak_bytes": nograd_peak,
+                        "gradient_pass_s": grad_s, "gradient_peak_bytes": grad_peak,
+                        "attention_ops_nograd": ops}
+        if name == "segments":  # with fp32 matmuls from bf16 pieces too (docs/precision.md)
+            with bf16_pieces(6):
+                train.no_grad_logprobs(model, prompts[warm], responses[warm], mask[warm], 1.0,
+                                       torch.float32, args.micro_batch)
+                _, result[name]["nograd_bf16x6_s"], _ = timed(
+                    device, train.no_grad_logprobs, model, prompts, responses, mask, 1.0,
+                    torch.float32, args.micro_batch)
+
     for name, context in (("block_mask", contextlib.nullcontext),
                           ("segments", lambda: segment_attention.segments(model))):
-        with context():
-            warm = slice(0, args.group_size)
-            ops = attention_ops(train.no_grad_logprobs, model, prompts[warm], responses[warm],
-                                mask[warm], 1.0, torch.float32, args.micro_batch)
-            (logps[name], _), nograd_s, nograd_peak = timed(
-                device, train.no_grad_logprobs, model, prompts, responses, mask, 1.0,
-                torch.float32, args.micro_batch)
-            _, grad_s, grad_peak = timed(device, gradient_pass)
-            result[name] = {"nograd_s": nograd_s, "nograd_peak_bytes": nograd_peak,
-                            "gradient_pass_s": grad_s, "gradient_peak_bytes": grad_peak,
-                            "attention_ops_nograd": ops}
-            if name == "segments":  # with fp32 matmuls from bf16 pieces too (docs/precision.md)
-                with bf16_pieces(6):
-                    train.no_grad_logprobs(model, prompts[warm], responses[warm], mask[warm], 1.0,
-                                           torch.float32, args.micro_batch)
-                    _, result[name]["nograd_bf16x6_s"], _ = timed(
-                        device, train.no_grad_logprobs, model, prompts, responses, mask, 1.0,
-                        torch.float32, args.micro_batch)
-    result["max_abs_logp_difference"] = (logps["block_mask"] - logps["segments"]).abs().max().item()
+        try:
+            with context():
+                variant(name)
+        except torch.OutOfMemoryError as error:
+            result[name] = {"error": str(error).splitlines()[0]}
+            model.zero_grad(set_to_none=True)
+    if len(logps) == 2:
+        result["max_abs_logp_difference"] = (
+            (logps["block_mask"] - logps["segments"]).abs().max().item())
     return result
 
 

@@ -326,6 +326,7 @@ def test_bench_decode_runs_on_a_cpu(tmp_path):
     for row in steps:  # a step's ms is t(4) - t(2) over 2 steps: on a loaded CPU it can be < 0
         assert math.isfinite(row["ms"]) and row["floor_ms"] > 0, row
         assert row["floor_fraction"] == pytest.approx(row["floor_ms"] / row["ms"]), row
+        assert row["ms_repeats"] == [row["ms"]], row  # the rows are written repeat by repeat
     assert {row["sampler"] for row in report["eos_on"]} >= {"ours eager", "hf eager"}
     assert all(row["useful_tokens_per_s"] > 0 for row in report["eos_on"])
     assert report["syncs"]["ok"], report["syncs"]
@@ -334,27 +335,44 @@ def test_bench_decode_runs_on_a_cpu(tmp_path):
     assert (profile["model"], profile["batch"], profile["sampler"]) == ("tiny", 4, "ours eager")
     calls = {row["kernel"]: row["calls_per_step"] for row in profile["kernels"]}
     assert calls["aten::scaled_dot_product_attention"] == 2, calls  # the tiny shape's 2 layers
+    # --eos-tokens 0: no EOS-on part (a GPU slot's time for the step rows)
+    command[command.index("--eos-tokens") + 1] = "0"
+    subprocess.run([sys.executable, "-m", "lab.bench_rollout", *command[:-2]], cwd=ROOT,
+                   check=True, capture_output=True, timeout=300)
+    report = json.loads(out.read_text())
+    assert report["step_ms"] and report["eos_on"] == [] and report["syncs"]["ok"], report
 
 
 def test_the_compiled_step_plumbs_through_generate(monkeypatch):
-    """generate(compiled=True) runs compiled_step in the fixed-shape loop (traced here with the
-    eager backend: Inductor is for a GPU) and samples what the plain step samples; the compaction
-    loop ignores it."""
+    """generate(compiled=True) runs compiled_step in the fixed-shape loop (traced here with a
+    backend that runs the traced graph as it is: Inductor is for a GPU) and samples what the plain
+    step samples; the compaction loop ignores it. One trace serves every span and cache length
+    (other prompts and max_new_tokens): a specialized compile would trace again, a minute each
+    on a GPU."""
     model = tiny_model("qwen3")
     torch._dynamo.reset()
-    calls = []
+    calls, traces = [], []
+
+    def backend(graph_module, example_inputs):
+        traces.append(1)
+        return graph_module.forward
 
     def traced():
         calls.append(1)
-        return torch.compile(rollout.static_step, fullgraph=True, backend="eager")
+        return compiled_step(backend=backend)
+    compiled_step = rollout.compiled_step
     monkeypatch.setattr(rollout, "compiled_step", traced)
 
-    def run(compiled, static=True):
-        return rollout.generate(model, MIXED, 10, 1.0, 0.8, eos_token_id=[3], static=static,
-                                generator=torch.Generator().manual_seed(1), compiled=compiled)
+    def run(compiled, static=True, prompts=MIXED, max_new_tokens=10):
+        return rollout.generate(model, prompts, max_new_tokens, 1.0, 0.8, eos_token_id=[3],
+                                static=static, generator=torch.Generator().manual_seed(1),
+                                compiled=compiled)
     plain, compiled = run(False), run(True)
-    assert calls == [1]
+    assert calls == [1] and traces == [1]
     assert plain.response_ids == compiled.response_ids
     torch.testing.assert_close(plain.token_logprobs, compiled.token_logprobs)
     run(True, static=False)
     assert calls == [1]
+    run(True, prompts=[p + [5, 6, 7] for p in MIXED], max_new_tokens=6)  # a new span and length
+    assert calls == [1, 1] and traces == [1], traces
+    torch._dynamo.reset()

@@ -151,37 +151,37 @@ def main(argv=None):
           f"the step ({args.perturb}, eps {args.eps:g}) changed {moved:.1%} of them as bf16")
     print(f"{args.responses} responses x {responses.shape[1]} tokens sampled from the reference\n")
     print("| log-probs | per-token log-ratio std | sequence K1 | sequence K3 |\n|---|---|---|---|")
-    truth = floor_row(copy.deepcopy(policy).double(), copy.deepcopy(reference).double(), prompts,
-                      responses, mask, torch.float32)
-    rows = [("float64 (the truth)", truth),
-            ("fp32 (train.py's default)",
-             floor_row(policy, reference, prompts, responses, mask, torch.float32)),
-            ("bf16 autocast",
-             floor_row(policy, reference, prompts, responses, mask, torch.bfloat16))]
+    rows = {}
+
+    def add(name, row):  # printed and written as each row is done: a timeout keeps the rows so far
+        rows[name] = dict(zip(("std", "k1", "k3"), row))
+        print(f"| {name} | {row[0]:.2g} | {row[1]:.2g} | {row[2]:.2g} |", flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({
+                "flags": vars(args), "bf16_exact": exact, "bf16_ties": ties, "moved": moved,
+                "rows": rows}, indent=1) + "\n")
+    add("float64 (the truth)", floor_row(copy.deepcopy(policy).double(),
+                                         copy.deepcopy(reference).double(), prompts, responses,
+                                         mask, torch.float32))
+    add("fp32 (train.py's default)",
+        floor_row(policy, reference, prompts, responses, mask, torch.float32))
+    add("bf16 autocast", floor_row(policy, reference, prompts, responses, mask, torch.bfloat16))
     with fp32_head(policy), fp32_head(reference):
-        rows.append(("bf16 autocast, fp32 lm_head",
-                     floor_row(policy, reference, prompts, responses, mask, torch.bfloat16)))
+        add("bf16 autocast, fp32 lm_head",
+            floor_row(policy, reference, prompts, responses, mask, torch.bfloat16))
     for terms in (6, 3):  # fp32 matmuls from bf16 pieces (lab/split_matmul.py)
         with bf16_pieces(terms):
-            rows.append((f"fp32 from bf16 pieces, {terms} products",
-                         floor_row(policy, reference, prompts, responses, mask, torch.float32)))
+            add(f"fp32 from bf16 pieces, {terms} products",
+                floor_row(policy, reference, prompts, responses, mask, torch.float32))
     if device.type == "cpu":  # TF32 as the GPU computes it, to compare the two devices
         for truncate, name in ((False, "to nearest"), (True, "truncated")):
             with linears(lambda x, w, b: tf32_linear(x, w, b, truncate)):
-                rows.append((f"fp32, TF32 matmuls (emulated, {name})",
-                             floor_row(policy, reference, prompts, responses, mask, torch.float32)))
+                add(f"fp32, TF32 matmuls (emulated, {name})",
+                    floor_row(policy, reference, prompts, responses, mask, torch.float32))
     if device.type == "cuda":  # the other options of the no-grad passes (issue 35)
-        rows.append(("fp32, TF32 matmuls", floor_row(policy, reference, prompts, responses, mask,
-                                                     torch.float32, tf32=True)))
-        rows.append(("fp16 autocast",
-                     floor_row(policy, reference, prompts, responses, mask, torch.float16)))
-    for name, (std, k1, k3) in rows:
-        print(f"| {name} | {std:.2g} | {k1:.2g} | {k3:.2g} |")
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "flags": vars(args), "bf16_exact": exact, "bf16_ties": ties, "moved": moved,
-            "rows": {name: {"std": std, "k1": k1, "k3": k3} for name, (std, k1, k3) in rows}},
-            indent=1) + "\n")
+        add("fp32, TF32 matmuls",
+            floor_row(policy, reference, prompts, responses, mask, torch.float32, tf32=True))
+        add("fp16 autocast", floor_row(policy, reference, prompts, responses, mask, torch.float16))
 
 
 if __name__ == "__main__":

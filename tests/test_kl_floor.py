@@ -1,7 +1,9 @@
 """kl_floor.py on a tiny random Llama: fp32 log-probs reach the true log-ratios, bf16 ones do not,
 and the bf16 grid counter is right. (The embedded model's table is in docs/precision.md.)"""
 import copy
+import json
 
+import pytest
 import torch
 
 from lab.kl_floor import bf16_grid, floor_row, fp32_head, tf32_linear
@@ -66,3 +68,33 @@ def test_bf16_grid_counts_exact_weights_and_ties():
     with torch.no_grad():
         model.weight.copy_(bits.view(torch.float32))  # 1.0 exact, a tie, neither, a tie
     assert bf16_grid(model) == (0.25, 0.5)
+
+
+def test_main_writes_each_row_as_it_is_done(letter_model, tmp_path, monkeypatch):
+    """python -m lab.kl_floor --json F on a saved model: every row in F, fp32's K1 at the float64
+    truth; a run cut after two rows (a GPU slot's timeout) keeps those two in F."""
+    from lab import kl_floor
+
+    model = str(letter_model(tmp_path)["model"])
+    out = tmp_path / "floor.json"
+    flags = ["--model", model, "--responses", "2", "--max-new-tokens", "8", "--eps", "1e-4",
+             "--json", str(out)]
+    kl_floor.main(flags)
+    rows = json.loads(out.read_text())["rows"]
+    assert list(rows)[:3] == ["float64 (the truth)", "fp32 (train.py's default)", "bf16 autocast"]
+    assert len(rows) == 8  # on a CPU: 4 + bf16 pieces (6, 3) + TF32 emulated (2)
+    truth, fp32 = rows["float64 (the truth)"], rows["fp32 (train.py's default)"]
+    assert abs(fp32["k1"] - truth["k1"]) < 1e-3 * max(abs(truth["k1"]), 1e-3)
+
+    out.unlink()
+    calls, floor_row = [], kl_floor.floor_row
+
+    def cut(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise TimeoutError("the slot's timeout")
+        return floor_row(*args, **kwargs)
+    monkeypatch.setattr(kl_floor, "floor_row", cut)
+    with pytest.raises(TimeoutError):
+        kl_floor.main(flags)
+    assert list(json.loads(out.read_text())["rows"]) == list(rows)[:2]

@@ -12,7 +12,7 @@ part that hangs still leaves the others':
 - machine: GPUs, compute capability, versions, and what the rules decide here: --dtype auto (bf16
   only where the GPU computes it natively) and the attention the sampler uses
   (rollout.flash_choice, the line train.py prints).
-- pytest: `pytest -m gpu -q test_gpu.py`.
+- pytest: `pytest -m gpu -q tests/test_gpu.py`.
 - sampler: SmolLM2-135M-Instruct in bf16 on cuda:0, 8 arith prompts, greedy, EOS on. (a) Logits
   on the same tokens (Hugging Face's greedy tokens fed to our prefill and decode, flash and SDPA,
   and to Hugging Face's own bf16 forward), each against the fp32 model's forward pass: PASS if

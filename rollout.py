@@ -340,9 +340,9 @@ def compiled_step(backend="inductor"):
     backend): its ~37 ops a layer fused into fewer kernels, gpt-fast's recipe for a step whose
     kernels each cost more than their work (a graphed SmolLM2 step: ~4 ms for ~0.1 ms of memory
     traffic, docs/benchmarks.md). Compiled with symbolic shapes from the first call (dynamic=True):
-    the span and the cache's length change with the batch, and a compile specialized to the first
-    would recompile at the second with them symbolic. Opt-in (generate(compiled=True)) until a GPU
-    measures it."""
+    the span and the cache's length change with the prompts' lengths and max_new_tokens, and a
+    compile specialized to the first would recompile at the second with them symbolic. Opt-in
+    (generate(compiled=True)) until a GPU measures it."""
     return torch.compile(static_step, fullgraph=True, dynamic=True, backend=backend)
 
 

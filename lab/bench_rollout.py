@@ -375,9 +375,9 @@ def step_part(name, rows, n1, n2, prompt_len, dtype, bandwidth, report, write):
     for row in failed:
         print(f"  {name:13s} batch {rows:4d} {row['sampler']:18s} {row['status']}", flush=True)
     # a row per sampler now, its median over the repeats so far: a timeout keeps what finished
-    rows_of = {sampler: dict(model=name, real_weights=real, batch=rows, sampler=sampler,
-                             ms_repeats=[], cpu_ms_repeats=[], floor_ms=floor_ms,
-                             warmup_s=warmup[sampler]) for sampler in runs}
+    rows_of = {sampler: dict(model=name, real_weights=real, batch=rows, sampler=sampler, ms=None,
+                             ms_repeats=[], cpu_ms=None, cpu_ms_repeats=[], floor_ms=floor_ms,
+                             floor_fraction=None, warmup_s=warmup[sampler]) for sampler in runs}
     report += rows_of.values()
     write()
 
@@ -570,7 +570,9 @@ def decode_benchmark():
 
     def write():
         report["elapsed_s"] = time.perf_counter() - STARTED
-        Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+        partial = Path(f"{args.out}.partial")  # then renamed: a kill never leaves half a file
+        partial.write_text(json.dumps(report, indent=1) + "\n")
+        partial.replace(args.out)
     print(f"{report['device']}, {dtype}, read bandwidth {bandwidth / 1e9:.0f} GB/s, "
           f"{report['flash']}; prompts of {prompt_len} tokens, steps {n1} to {n2}; "
           f"HBM floor = (weights + live KV) / read bandwidth", flush=True)

@@ -324,10 +324,10 @@ def attention_part(args, shape, device, peak):
         (logps[name], _), nograd_s, nograd_peak = timed(
             device, train.no_grad_logprobs, model, prompts, responses, mask, 1.0, torch.float32,
             args.micro_batch)
-        _, grad_s, grad_peak = timed(device, gradient_pass)
         result[name] = {"nograd_s": nograd_s, "nograd_peak_bytes": nograd_peak,
-                        "gradient_pass_s": grad_s, "gradient_peak_bytes": grad_peak,
-                        "attention_ops_nograd": ops}
+                        "attention_ops_nograd": ops}  # kept if the gradient pass fails
+        _, grad_s, grad_peak = timed(device, gradient_pass)
+        result[name] |= {"gradient_pass_s": grad_s, "gradient_peak_bytes": grad_peak}
         if name == "segments":  # with fp32 matmuls from bf16 pieces too (docs/precision.md)
             with bf16_pieces(6):
                 train.no_grad_logprobs(model, prompts[warm], responses[warm], mask[warm], 1.0,
@@ -342,7 +342,7 @@ def attention_part(args, shape, device, peak):
             with context():
                 variant(name)
         except torch.OutOfMemoryError as error:
-            result[name] = {"error": str(error).splitlines()[0]}
+            result.setdefault(name, {})["error"] = str(error).splitlines()[0]
             model.zero_grad(set_to_none=True)
     if len(logps) == 2:
         result["max_abs_logp_difference"] = (

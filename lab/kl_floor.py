@@ -156,10 +156,12 @@ def main(argv=None):
     def add(name, row):  # printed and written as each row is done: a timeout keeps the rows so far
         rows[name] = dict(zip(("std", "k1", "k3"), row))
         print(f"| {name} | {row[0]:.2g} | {row[1]:.2g} | {row[2]:.2g} |", flush=True)
-        if args.json:
-            Path(args.json).write_text(json.dumps({
+        if args.json:  # written beside, then renamed: a kill never leaves half a file
+            partial = Path(f"{args.json}.partial")
+            partial.write_text(json.dumps({
                 "flags": vars(args), "bf16_exact": exact, "bf16_ties": ties, "moved": moved,
                 "rows": rows}, indent=1) + "\n")
+            partial.replace(args.json)
     add("float64 (the truth)", floor_row(copy.deepcopy(policy).double(),
                                          copy.deepcopy(reference).double(), prompts, responses,
                                          mask, torch.float32))

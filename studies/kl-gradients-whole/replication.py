@@ -36,9 +36,8 @@ def main(results, chunk_dir, chunks=24):
           f"sequences), pi {dist['pi_hash']}\n")
     print("| view | row | R | check | Bonferroni interval | excludes 0 |\n|---|---|---|---|---|---|")
     excluded = []
-    for view_name, view in dist["views"].items():
-        if view_name not in ("layer", "model"):
-            continue
+    for view_name in ("layer", "model"):
+        view = dist["views"][view_name]
         for base, title in ROWS.items():
             for R in (10, 100):
                 tail = view["grad_tail"][f"{base}_below_{R}"]

@@ -240,11 +240,11 @@ def prefill(model, prompts, cache):
     return torch.cat(logits)
 
 
-def decode(model, tokens, cache):
+def decode(model, tokens, cache, span=None):
     """One step for the first n = len(tokens) cache rows: feed each row its last sampled token
     (tokens: (n,)) after its cached slots, and return the next-token logits (n, V), float32. Only
-    the new token goes through the model; the prefix is in the cache."""
-    hidden = forward(model, tokens[:, None], cache)
+    the new token goes through the model; the prefix is in the cache. `span`: forward's."""
+    hidden = forward(model, tokens[:, None], cache, span)
     return model.lm_head(hidden[:, 0]).float()
 
 
@@ -327,23 +327,25 @@ def take(logits, state):
 
 
 @torch.no_grad()
-def static_step(model, cache, state, span):
+def static_step(model, cache, state, span, decode_fn=decode):
     """The fixed-shape decode step: every row feeds its last token, reads `span` slots (SDPA; flash
     reads its own seqlens) and samples its next one. Same shapes every step, no host sync."""
-    hidden = forward(model, state.tokens[:, None], cache, span)
-    take(model.lm_head(hidden[:, 0]).float(), state)
+    take(decode_fn(model, state.tokens, cache, span), state)
 
 
 @functools.cache
 def compiled_step(backend="inductor"):
-    """static_step compiled by torch.compile (Inductor on CUDA; the tests trace it with another
-    backend): its ~37 ops a layer fused into fewer kernels, gpt-fast's recipe for a step whose
-    kernels each cost more than their work (a graphed SmolLM2 step: ~4 ms for ~0.1 ms of memory
-    traffic, docs/benchmarks.md). Compiled with symbolic shapes from the first call (dynamic=True):
-    the span and the cache's length change with the prompts' lengths and max_new_tokens, and a
-    compile specialized to the first would recompile at the second with them symbolic. Opt-in
-    (generate(compiled=True)) until a GPU measures it."""
-    return torch.compile(static_step, fullgraph=True, dynamic=True, backend=backend)
+    """static_step with its model part (decode) compiled by torch.compile (Inductor on CUDA; the
+    tests trace it with another backend): its ~37 ops a layer fused into fewer kernels, gpt-fast's
+    recipe for a step whose kernels each cost more than their work (a graphed SmolLM2 step: ~4 ms
+    for ~0.1 ms of memory traffic, docs/benchmarks.md). Sampling stays eager: Inductor's split scan
+    fails to compile the top-p/inverse-CDF cumsum fused with the softmax before it (pytorch#180221,
+    "list indices must be integers or slices, not NoneType", on an H200). Compiled with symbolic
+    shapes from the first call (dynamic=True): the span and the cache's length change with the
+    prompts' lengths and max_new_tokens, and a compile specialized to the first would recompile at
+    the second with them symbolic. Opt-in (generate(compiled=True))."""
+    compiled_decode = torch.compile(decode, fullgraph=True, dynamic=True, backend=backend)
+    return functools.partial(static_step, decode_fn=compiled_decode)
 
 
 def capture(step, pool):

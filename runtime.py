@@ -56,9 +56,10 @@ def compute_dtype(name, device):
 
 
 # --logprob-dtype auto on CUDA: the pick of the rule registered in docs/precision.md (issue 35), the
-# fastest option whose KL floor is negligible. Measured on an H200 (2026-11-27): only fp32 passed;
-# TF32, fp16 and bf16 missed the float64 K1 by 94% to 15,000%.
-CUDA_LOGPROB_DTYPE = "float32"
+# fastest option whose KL floor is negligible. Measured on an H200: TF32, fp16 and bf16 missed the
+# float64 K1 by 94% to 15,000% (2026-11-27); fp32 from six bf16 products (split_matmul.py) kept K1
+# and K3 within 0.15%, in 0.83 of fp32's time (2026-11-28)
+CUDA_LOGPROB_DTYPE = "bf16x6"
 
 
 # --generate-rows auto: the share of the GPU memory free when a rollout starts that its KV cache may
@@ -87,12 +88,16 @@ def cuda_free_for_tensors(device):
 
 
 def logprob_dtype(name, device):
-    """The torch dtype of the no-grad log-prob passes for --logprob-dtype `name` on `device`
-    ("auto": CUDA_LOGPROB_DTYPE on CUDA, fp32 on a CPU, where bf16 rounding puts a floor under
-    every KL: docs/precision.md)."""
+    """The torch dtype of the no-grad log-prob passes for --logprob-dtype `name` on `device`, or
+    "bf16x6" (fp32 whose linear layers' matmuls are six bf16 tensor-core products: split_matmul.py).
+    "auto": CUDA_LOGPROB_DTYPE on CUDA (fp32 where torch is too old for bf16x6's GEMM), fp32 on a
+    CPU, where bf16 rounding puts a floor under every KL: docs/precision.md."""
+    import split_matmul
+
     if name == "auto":
         name = CUDA_LOGPROB_DTYPE if device.type == "cuda" else "float32"
-    return getattr(torch, name)
+        name = name if name != "bf16x6" or split_matmul.OUT_DTYPE else "float32"
+    return name if name == "bf16x6" else getattr(torch, name)
 
 
 def start(dtype="auto"):

@@ -17,8 +17,8 @@ The paper's sec. 4.1 setup, with verl's defaults where the paper is silent (Adam
 --place none (or --beta 0) never loads the reference.
 
 Precision: fp32 master weights and AdamW state. The no-grad log-probs that feed the KL and the ratio
-are fp32 (--logprob-dtype): in bf16 their rounding alone puts a floor under every KL
-(docs/precision.md). The gradient pass runs in bf16 autocast where the device has it and takes its
+are fp32 (--logprob-dtype; on CUDA fp32 from bf16 tensor cores, split_matmul.py): in bf16 their
+rounding alone puts a floor under every KL (docs/precision.md). The gradient pass runs in bf16 autocast where the device has it and takes its
 values from the fp32 pass, logp + sg[logp_fp32 - logp], so only the gradient's direction carries
 bf16 rounding. Sampling uses a bf16 copy of the weights (runtime.make_sampler), refreshed after
 every step; `mismatch_kl` measures the gap between sampler and trainer, so "on-policy" is measured,
@@ -56,6 +56,7 @@ import kl
 import report
 import rollout
 import runtime
+import split_matmul
 from hub import HubUnreachable
 from model import load_model, load_tokenizer, stop_token_ids
 
@@ -167,11 +168,12 @@ group = parser.add_argument_group("system")
 group.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="compute dtype of the sampler and the gradient pass (weights and AdamW "
                         "state stay fp32); auto = bf16 where the device has it")
-group.add_argument("--logprob-dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+group.add_argument("--logprob-dtype", default="auto",
+                   choices=("auto", "float32", "bf16x6", "bfloat16"),
                    help="dtype of the log-probs that feed the KL, the ratio and the loss values: "
-                        "float32 = exact, bfloat16 = the fast, noisy way; auto = float32 on a CPU, "
-                        "on CUDA the pick of docs/precision.md's registered rule (float32, the "
-                        "only option that passed it)")
+                        "float32 = exact, bf16x6 = fp32 from six bf16 tensor-core products "
+                        "(split_matmul.py), bfloat16 = the fast, noisy way; auto = float32 on a "
+                        "CPU, on CUDA the pick of docs/precision.md's registered rule (bf16x6)")
 group.add_argument("--micro-batch", type=int, default=8,
                    help="sequences per forward/backward (the gradient does not depend on it; 8 "
                         "keeps the default run under 4 GiB whatever the responses' lengths)")
@@ -334,9 +336,13 @@ def micro_batch_sizes(prompts, micro_batch):
 def no_grad_logprobs(model, prompts, responses, response_mask, temperature, dtype, micro_batch,
                      entropy=False):
     """token_logprobs (and with entropy=True the entropies, else None) of the whole batch,
-    micro-batch by micro-batch (micro_batch_sizes), no gradient."""
+    micro-batch by micro-batch (micro_batch_sizes), no gradient. dtype "bf16x6": fp32 whose linear
+    layers' matmuls are six bf16 tensor-core products (split_matmul.py), CUDA's default."""
     parts, start = [], 0
-    with torch.no_grad():
+    pieces = contextlib.nullcontext()
+    if dtype == "bf16x6":
+        pieces, dtype = split_matmul.bf16_pieces(6), torch.float32
+    with torch.no_grad(), pieces:
         for size in micro_batch_sizes(prompts, micro_batch):
             rows, start = slice(start, start + size), start + size
             parts.append(token_logprobs(model, prompts[rows], responses[rows], response_mask[rows],

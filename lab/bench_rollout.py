@@ -72,6 +72,11 @@ decode.add_argument("--ours-compiled", nargs="*", default=["smollm2-135m:64"],
                     metavar="MODEL:BATCH",
                     help="where ours also runs with its step compiled by torch.compile before the "
                          "capture (rollout.compiled_step; CUDA only; a compile a shape)")
+decode.add_argument("--samplers", nargs="+", metavar="NAME",
+                    choices=("ours graphed", "ours compiled", "ours eager", "ours compaction",
+                             "hf eager", "hf static+compile"),
+                    help="the ms-per-step part times only these (default: every sampler that "
+                         "runs here); for a short GPU slot's rerun")
 decode.add_argument("--profile", nargs="*", default=[], metavar="MODEL:BATCH",
                     help="where a decode step is also profiled (torch.profiler): each kernel's "
                          "time a step, ours graphed and eager (e.g. qwen2.5-7b:256)")
@@ -366,6 +371,7 @@ def step_part(name, rows, n1, n2, prompt_len, dtype, bandwidth, report, write):
     prompts = random_prompts(model, rows, prompt_len)
     runs = decode_samplers(model, name, prompts, compiled=f"{name}:{rows}" in args.hf_compiled,
                            ours_compiled=f"{name}:{rows}" in args.ours_compiled)
+    runs = {sampler: run for sampler, run in runs.items() if sampler in (args.samplers or runs)}
     failed = []
     warmup = warm(runs, n1, n2, failed)
     span = prompt_len + (n1 + n2) / 2  # live slots of a row, averaged over the timed steps

@@ -68,6 +68,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import rollout  # noqa: E402
 import runtime  # noqa: E402
+import split_matmul  # noqa: E402
 import train  # noqa: E402
 
 GB = 1e9
@@ -214,6 +215,17 @@ def fake_model(config, dtype):
     return AutoModelForCausalLM.from_config(config, dtype=dtype).eval().requires_grad_(False)
 
 
+@contextlib.contextmanager
+def cuda_gemm():
+    """split_matmul's GEMM as CUDA allocates it: its fp32 output only (torch.mm's out_dtype)."""
+    gemm = split_matmul.mm_fp32
+    split_matmul.mm_fp32 = lambda a, b: a.new_empty(a.shape[0], b.shape[0], dtype=torch.float32)
+    try:
+        yield
+    finally:
+        split_matmul.mm_fp32 = gemm
+
+
 def traced(run):
     """The peak bytes of the storages run() creates, on fake tensors."""
     tracker = LiveBytes()
@@ -254,12 +266,17 @@ def traced_passes(config, prompts, max_new_tokens, dtype, checkpointing,
     micro-batch of `prompts` with responses of max_new_tokens tokens, traced on fake tensors: the
     no-grad pass in `logprob_dtype` with the entropy, the gradient pass under autocast to
     `dtype`; with keep_head_gradient, the output layer's gradient is kept from when it comes to
-    the pass's end (FSDP2 holds it unsharded until the backward ends)."""
+    the pass's end (FSDP2 holds it unsharded until the backward ends). `logprob_dtype` "bf16x6"
+    (split_matmul.py): each linear layer's bf16 pieces and their GEMM's fp32 output, as on CUDA (a
+    CPU's GEMM also makes fp32 copies of the pieces)."""
     responses = torch.zeros(len(prompts), max_new_tokens, dtype=torch.long)
     mask = torch.ones(len(prompts), max_new_tokens)
+    pieces = contextlib.nullcontext()
+    if logprob_dtype == "bf16x6":
+        pieces, logprob_dtype = split_matmul.bf16_pieces(6), torch.float32
     with real_layout(), FakeTensorMode(allow_non_fake_inputs=True):
         model = fake_model(config, torch.float32)
-        with torch.no_grad():
+        with torch.no_grad(), pieces, cuda_gemm():
             nograd = traced(lambda: train.token_logprobs(model, prompts, responses, mask, 1.0,
                                                          logprob_dtype, entropy=True))
         model.requires_grad_(True)

@@ -304,10 +304,18 @@ def test_gpu_check_runs_on_a_cpu(tmp_path, letter_model, monkeypatch):
 
 def test_logprob_dtype_auto_is_the_rules_pick_on_cuda_and_fp32_on_a_cpu(monkeypatch):
     """--logprob-dtype auto: fp32 on a CPU whatever the rule picks for CUDA (docs/precision.md), the
-    pick on CUDA; a dtype named outright is that dtype everywhere."""
+    pick on CUDA (bf16x6, fp32 where torch has no out_dtype GEMM for it); a dtype named outright is
+    that dtype everywhere."""
+    import split_matmul
+
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert runtime.logprob_dtype("auto", cpu) == torch.float32
-    assert runtime.logprob_dtype("auto", cuda) == getattr(torch, runtime.CUDA_LOGPROB_DTYPE)
+    assert runtime.CUDA_LOGPROB_DTYPE == "bf16x6"  # the rule's pick on the H200 (2026-11-28)
+    assert runtime.logprob_dtype("auto", cuda) == ("bf16x6" if split_matmul.OUT_DTYPE
+                                                   else torch.float32)
+    monkeypatch.setattr(split_matmul, "OUT_DTYPE", False)  # torch before 2.8
+    assert runtime.logprob_dtype("auto", cuda) == torch.float32
+    assert runtime.logprob_dtype("bf16x6", cpu) == "bf16x6"
     monkeypatch.setattr(runtime, "CUDA_LOGPROB_DTYPE", "bfloat16")  # had the rule picked bf16
     assert runtime.logprob_dtype("auto", cuda) == torch.bfloat16
     assert runtime.logprob_dtype("auto", cpu) == torch.float32

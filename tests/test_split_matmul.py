@@ -1,10 +1,10 @@
-"""lab/split_matmul.py: fp32 matmuls from bf16 pieces, against float64 and the model's fp32 pass."""
+"""split_matmul.py: fp32 matmuls from bf16 pieces, against float64 and the model's fp32 pass."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import train
-from lab.split_matmul import bf16_pieces, bf16_split, linears, split_linear
+from split_matmul import bf16_pieces, bf16_split, linears, split_linear
 
 
 def operands(seed=0, k=96):
@@ -96,3 +96,29 @@ def test_every_linear_layer_is_replaced_however_it_is_called(tiny_llama):
     assert torch.equal(by_keywords, split_linear(x, weight, bias, terms=6))
     with pytest.raises(ValueError, match="terms"):
         bf16_pieces(4)
+
+
+def test_the_trainers_bf16x6_passes_run_every_linear_layer_through_six_products(tiny_llama,
+                                                                                monkeypatch):
+    """--logprob-dtype bf16x6 (CUDA's default): train.no_grad_logprobs runs each micro-batch's
+    linear layers through split_linear with six products, not autocast, and gives what the same
+    pass under bf16_pieces(6) gives; the gradient pass's dtype check sees it as not fp32."""
+    import split_matmul
+
+    model = tiny_llama(128, num_attention_heads=4, num_key_value_heads=2).requires_grad_(False)
+    prompts = [[5, 9, 2, 7], [5, 9, 2, 7], [3, 4]]
+    responses = torch.randint(0, 128, (3, 24), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, 24)
+    calls = []
+
+    def counted(x, weight, bias=None, terms=6):
+        calls.append(terms)
+        return split_linear(x, weight, bias, terms)
+    monkeypatch.setattr(split_matmul, "split_linear", counted)
+    logp, entropy = train.no_grad_logprobs(model, prompts, responses, mask, 1.0, "bf16x6",
+                                           micro_batch=2, entropy=True)
+    layers = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert calls == [6] * layers * 2  # two micro-batches: the group of two, then the third row
+    with torch.no_grad(), bf16_pieces(6):
+        expected = train.token_logprobs(model, prompts, responses, mask, 1.0, torch.float32)[0]
+    assert torch.equal(logp, expected) and entropy.shape == (3, 24)

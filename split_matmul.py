@@ -1,7 +1,8 @@
 """fp32 matmuls from bf16 tensor cores: --logprob-dtype bf16x6, the no-grad log-prob passes' default
 on CUDA (issue 35).
 
-Why: docs/precision.md (its fifth option, picked by its registered rule on an H200). How, for each linear layer's x W^T:
+Why: docs/precision.md (its fifth option, picked by its registered rule on an H200). How, for each
+linear layer's x W^T:
 - x = x0 + x1 + x2 and W = W0 + W1 + W2, each piece a bf16 tensor (x0 = bf16(x), x1 = bf16(x - x0),
   x2 = bf16(x - x0 - x1)): each residual is at most half a bf16 ulp, so three pieces of 8 bits
   hold an fp32 significand's 24 exactly, for |x| from ~2^-110 up to 3.39e38 (smaller values lose

@@ -6,7 +6,8 @@ memory do not depend on the weights), through the trainer's own functions:
 - train: 0.5B and 1.5B shapes, fp32 master weights and AdamW, bf16 compute. Phases, each timed
   alone (CUDA synchronized): sampling (rollout.generate, EOS off, --sample-tokens new tokens: the
   sampler's speed per decode step, docs/benchmarks.md has it in full), the policy's and the
-  reference's no-grad log-prob passes (train.no_grad_logprobs, --logprob-dtype float32), and the
+  reference's no-grad log-prob passes (train.no_grad_logprobs in train.py's --logprob-dtype auto:
+  bf16x6 on CUDA since 2026-11-28, fp32 before and on a CPU), and the
   update (train.update: the gradient pass over the micro-batches, forward and backward, then the
   AdamW step, timed apart) with activation checkpointing on and off. The training passes run on
   fixed-length random responses of --response-tokens tokens.
@@ -19,6 +20,10 @@ memory do not depend on the weights), through the trainer's own functions:
 - attention: at the 1.5B shape, the no-grad and the gradient pass with the block mask (train.py's) and
   by segments (lab/segment_attention.py, computing only the pairs the mask allows), timed, with peak
   memory and the log-probs' largest difference.
+- profile (not in the default --parts): where one group's passes spend their time at the 1.5B shape,
+  torch.profiler's kernels (a CPU's ops) largest first: the gradient pass (forward and backward,
+  activation checkpointing on, as train.py runs it) and the no-grad pass (train.py's --logprob-dtype
+  auto), each with its wall time, its kernels' time and the MFU of each.
 MFU is model FLOPs over time over the card's dense bf16 peak: 2 FLOPs a weight a position forward
 (6 with the backward; the recomputation of activation checkpointing is not counted, as is usual),
 plus attention's 4 L^2 d a layer forward over every pair the dense mask lets through, on the
@@ -70,7 +75,7 @@ PRECISIONS = ("float32", "tf32", "bf16x6", "bfloat16", "float16")
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--out", default="bench_train.json", help="the JSON report")
 parser.add_argument("--parts", nargs="+", default=["train", "nograd", "precision", "attention"],
-                    choices=("train", "nograd", "precision", "attention"))
+                    choices=("train", "nograd", "precision", "attention", "profile"))
 parser.add_argument("--shapes", nargs="+", default=["0.5B", "1.5B", "3B", "7B"], choices=SHAPES,
                     help="train uses those up to 1.5B (and tiny), nograd the larger ones, "
                          "precision the 1.5B (or the largest train shape given)")
@@ -198,12 +203,14 @@ def train_part(args, shape, device, peak):
 
     forward_flops = pass_flops(policy, args, len(prompts), backward=False)
     warm = slice(0, args.group_size)  # one group first: kernels chosen, memory pools grown
+    logprob_dtype = runtime.logprob_dtype("auto", device)  # as train.py's default resolves it
+    result["logprob_dtype"] = str(logprob_dtype).removeprefix("torch.")
     result["attention_ops_nograd"] = attention_ops(
         train.no_grad_logprobs, policy, prompts[warm], responses[warm], mask[warm], 1.0,
-        torch.float32, args.micro_batch)
+        logprob_dtype, args.micro_batch)
     for name, model in (("policy_nograd", policy), ("reference_nograd", reference)):
         (logp, _), seconds, memory = timed(device, train.no_grad_logprobs, model, prompts,
-                                           responses, mask, 1.0, torch.float32, args.micro_batch,
+                                           responses, mask, 1.0, logprob_dtype, args.micro_batch,
                                            entropy=name == "policy_nograd")
         result[name] = {"s": seconds, "tokens_per_s": mask.sum().item() / seconds,
                         "peak_bytes": memory, "mfu": mfu(forward_flops, seconds, peak)}
@@ -280,6 +287,53 @@ def nograd_part(args, shape, device, peak, precisions=("float32", "bfloat16")):
             torch.backends.cuda.matmul.allow_tf32 = previous
         result[precision] = {"s": seconds, "tokens_per_s": mask.sum().item() / seconds,
                              "peak_bytes": memory, "mfu": mfu(flops, seconds, peak)}
+    return result
+
+
+def profile_part(args, shape, device, peak):
+    """Where one group's gradient pass and no-grad pass spend their time (see the docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    dtype, logprob_dtype = (runtime.compute_dtype("auto", device),
+                            runtime.logprob_dtype("auto", device))  # as train.py resolves them
+    policy = build(shape, device)
+    set_checkpointing(policy, True)
+    prompts, responses, mask = batch_of(args, policy.config.vocab_size, device)
+    group = slice(0, args.group_size)
+
+    def gradient_pass():
+        logp, _ = train.token_logprobs(policy, prompts[group], responses[group], mask[group], 1.0,
+                                       dtype)
+        logp.sum().backward()
+        policy.zero_grad(set_to_none=True)
+
+    def nograd_pass():
+        train.no_grad_logprobs(policy, prompts[group], responses[group], mask[group], 1.0,
+                               logprob_dtype, args.micro_batch)
+
+    def own_ms(event):  # the kernel's own device time, or on a CPU the op's own time
+        return (event.self_device_time_total if cuda else event.self_cpu_time_total) / 1e3
+
+    result = {"shape": shape, "rows": args.group_size,
+              "logprob_dtype": str(logprob_dtype).removeprefix("torch.")}
+    for name, run, backward in (("gradient_pass", gradient_pass, True),
+                                ("nograd_pass", nograd_pass, False)):
+        run()  # warm: kernels chosen, memory pools grown
+        sync(device)
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            started = time.perf_counter()
+            run()
+            sync(device)
+            wall = time.perf_counter() - started
+        kernels = sorted(((own_ms(event), event.count, event.key) for event in prof.key_averages()
+                          if own_ms(event) > 0), reverse=True)
+        flops = pass_flops(policy, args, args.group_size, backward)
+        busy = sum(ms for ms, _, _ in kernels) / 1e3
+        result[name] = {"wall_s": wall, "kernels_s": busy, "mfu": mfu(flops, wall, peak),
+                        "mfu_of_kernel_time": mfu(flops, busy, peak),
+                        "kernels": [dict(kernel=key, ms=ms, calls=count)
+                                    for ms, count, key in kernels[:40]]}
     return result
 
 
@@ -385,6 +439,8 @@ def main(argv=None):
                      lambda a, s, d, p: nograd_part(a, s, d, p, a.precisions)))
     if "attention" in args.parts and small:
         jobs.append(("attention", small[-1], attention_part))
+    if "profile" in args.parts and small:
+        jobs.append(("profile", small[-1], profile_part))
     for part, shape, run in jobs:
         if part not in args.parts:
             continue

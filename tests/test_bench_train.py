@@ -27,6 +27,7 @@ def test_every_part_reports_on_a_cpu(tmp_path, one_thread):
         update = train_part[f"update_checkpointing_{on}"]
         assert update["gradient_pass_s"] + update["optimizer_s"] == pytest.approx(update["s"])
     assert 0 < train_part["nograd_share_of_training"] < 1
+    assert train_part["logprob_dtype"] == "float32"  # train.py's auto on a CPU (bf16x6 on CUDA)
     for passes in ("attention_ops_nograd", "attention_ops_gradient"):  # which SDPA kernel ran
         assert any("scaled_dot_product" in op for op in train_part[passes]), train_part[passes]
     attention = report["parts"]["attention/tiny"]  # block mask against segments: the same log-probs
@@ -35,6 +36,19 @@ def test_every_part_reports_on_a_cpu(tmp_path, one_thread):
     assert attention["segments"]["nograd_bf16x6_s"] > 0
     assert {"float32", "tf32", "bf16x6", "bfloat16"} <= {k for k, v in precision.items()
                                                if isinstance(v, dict) and v.get("s")}
+
+
+def test_the_profile_part_says_where_a_groups_passes_spend_their_time(tmp_path, one_thread):
+    """--parts profile: one group's gradient pass and no-grad pass under torch.profiler (a CPU's
+    ops here), its matmuls among the largest, the kernels' time at most the wall time."""
+    report = bench_train.main([*TINY, "--parts", "profile", "--out", str(tmp_path / "b.json")])
+    (name, result), = report["parts"].items()
+    assert name == "profile/tiny" and "error" not in result, result
+    for phase in ("gradient_pass", "nograd_pass"):
+        ops = [row["kernel"] for row in result[phase]["kernels"]]
+        assert any(op in ("aten::mm", "aten::addmm", "aten::bmm") for op in ops[:10]), ops
+        assert 0 < result[phase]["kernels_s"] <= result[phase]["wall_s"] * 1.05, result[phase]
+    assert result["logprob_dtype"] == "float32"
 
 
 @pytest.mark.parametrize("backward", [False, True])

@@ -41,10 +41,12 @@ def test_a_traced_pass_holds_its_logits_over_the_vocabulary(tiny_llama):
     vocab_tensor = 4 * new_tokens * 5000 * 4
     assert 2 * vocab_tensor <= nograd < 3 * vocab_tensor
     assert gradient > nograd  # the backward's grad of the log-softmax beside its saved output
-    # bf16x6 (CUDA's default), on a row of 4 tokens: the output layer's bf16 pieces (3, then the
-    # 6 of its GEMM: 18 bytes a weight) come above fp32's peak, and no fp32 copy of them (CUDA's GEMM)
+    # bf16x6 (CUDA's default), on a row of 4 tokens: the output layer's bf16 pieces (3, then
+    # the 6 of its GEMM: 18 bytes a weight) come above fp32's peak, and no fp32 copy of them
+    # (CUDA's GEMM)
     short = [memory_plan.traced_passes(config, prompts[:1], 4, torch.float32, checkpointing=False,
-                                       logprob_dtype=dtype)[0] for dtype in (torch.float32, "bf16x6")]
+                                       logprob_dtype=dtype)[0]
+             for dtype in (torch.float32, "bf16x6")]
     head = 18 * 5000 * config.hidden_size
     assert 0.9 * head < short[1] - short[0] < 1.1 * head, (short, head)
 

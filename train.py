@@ -57,6 +57,7 @@ import kl
 import report
 import rollout
 import runtime
+import segment_attention
 import split_matmul
 from hub import HubUnreachable
 from model import load_model, load_tokenizer, stop_token_ids
@@ -266,10 +267,14 @@ def pack_layout(prompts, response_mask):
     return packs, P, L, pack_of_row, kept_column
 
 
-def token_logprobs(model, prompts, responses, response_mask, temperature, dtype, entropy=False):
+def token_logprobs(model, prompts, responses, response_mask, temperature, dtype, entropy=False,
+                   by_segments=False):
     """log pi(y_t | x, y<t) of each response token, (B, T) in fp32, and with entropy=True the
     entropy of pi there (detached; else None: the gradient pass skips its two (B, T, vocab)
-    temporaries).
+    temporaries). by_segments: attention computed only where the mask allows (segment_attention.py),
+    the same values to float rounding (~3e-5 on SmolLM2: another order of fp32 sums); a gradient
+    pass by segments under activation checkpointing keeps segment_attention.attention(model) around
+    its backward too (the recomputation runs there).
 
     Rows with the same prompt (an RLOO group is contiguous) are packed into one sequence
     (pack_layout): the prompt once, then each of its responses in its own length, every response
@@ -300,10 +305,13 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
                                                       device=device).tril()
     # no cast cache: each weight is used once per forward, and a cache would hold a bf16 copy of all
     # of them (0.25 GiB) through the pass
-    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32,
-                        cache_enabled=False):
+    segments = {"segments": segment_attention.layout(packs, P)} if by_segments else {}
+    with (torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32,
+                         cache_enabled=False),
+          segment_attention.attention(model) if by_segments else contextlib.nullcontext()):
         logits = model(input_ids=input_ids, attention_mask=allowed.unsqueeze(1),
-                       position_ids=position_ids, use_cache=False, logits_to_keep=L - P + 1).logits
+                       position_ids=position_ids, use_cache=False, logits_to_keep=L - P + 1,
+                       **segments).logits
     logits = logits[pack_of_row[:, None].to(device), kept_column.to(device)]  # (B, T, vocab)
     logits = logits.float() if temperature == 1 else logits.float() / temperature  # no copy at 1
     logp_all = logits.log_softmax(-1)
@@ -335,10 +343,12 @@ def micro_batch_sizes(prompts, micro_batch):
 
 
 def no_grad_logprobs(model, prompts, responses, response_mask, temperature, dtype, micro_batch,
-                     entropy=False):
+                     entropy=False, by_segments=False):
     """token_logprobs (and with entropy=True the entropies, else None) of the whole batch,
     micro-batch by micro-batch (micro_batch_sizes), no gradient. dtype "bf16x6": fp32 whose linear
-    layers' matmuls are six bf16 tensor-core products (split_matmul.py), CUDA's default."""
+    layers' matmuls are six bf16 tensor-core products (split_matmul.py), CUDA's default.
+    by_segments: token_logprobs'; off in train.py, whose gradient pass (faster with the block mask
+    on an H200) then computes attention as these passes do."""
     parts, start = [], 0
     pieces = contextlib.nullcontext()
     if dtype == "bf16x6":
@@ -347,7 +357,7 @@ def no_grad_logprobs(model, prompts, responses, response_mask, temperature, dtyp
         for size in micro_batch_sizes(prompts, micro_batch):
             rows, start = slice(start, start + size), start + size
             parts.append(token_logprobs(model, prompts[rows], responses[rows], response_mask[rows],
-                                        temperature, dtype, entropy))
+                                        temperature, dtype, entropy, by_segments))
     if isinstance(model, FSDPModule):  # FSDP2 keeps a root gathered after a forward until its
         model.reshard()  # backward, which a no-grad pass never runs (4.4 GB a rank at 7B)
     logp, entropies = zip(*parts)

@@ -7,8 +7,7 @@ Run each from the repository's root as a module, e.g. `python -m lab.study fig3`
 - kl_floor: the KL noise floor of bf16 log-probs (docs/precision.md), with the root's split_matmul
   (fp32 from bf16 pieces);
 - bench_rollout, bench_memory, bench_train: sampler speed; a training run's peak memory and step
-  time; a training step's phases, MFU and peak memory on a GPU (with segment_attention, an
-  experiment it times);
+  time; a training step's phases, MFU and peak memory on a GPU;
 - memory_plan: a run's memory per rank and phase, computed from the code (docs/gpu.md);
 - gpu_check: one acceptance command for a CUDA machine.
 """

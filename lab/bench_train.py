@@ -17,9 +17,10 @@ memory do not depend on the weights), through the trainer's own functions:
   accumulation), each timed (their KL floors: lab/kl_floor.py --device cuda).
 - attention_ops_*: the attention ops one group's passes dispatch (AttentionOps), which says which SDPA
   kernel runs under the packed block mask, or whether the math fallback builds the L x L scores.
-- attention: at the 1.5B shape, the no-grad and the gradient pass with the block mask (train.py's) and
-  by segments (lab/segment_attention.py, computing only the pairs the mask allows), timed, with peak
-  memory and the log-probs' largest difference.
+- attention: at the 1.5B shape, the no-grad and the gradient pass with the block mask and by segments
+  (segment_attention.py, computing only the pairs the mask allows; train.py's no-grad passes run by
+  segments, its gradient pass with the block mask), timed, with peak memory and the log-probs'
+  largest difference.
 - profile (not in the default --parts): where one group's passes spend their time at the 1.5B shape,
   torch.profiler's kernels (a CPU's ops) largest first: the gradient pass (forward and backward,
   activation checkpointing on, as train.py runs it) and the no-grad pass (train.py's --logprob-dtype
@@ -47,6 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import rollout
 import runtime
+import segment_attention
 import train
 from split_matmul import bf16_pieces
 
@@ -349,14 +351,11 @@ def set_checkpointing(model, on):
 
 
 def attention_part(args, shape, device, peak):
-    """The packed passes with the block mask (train.py's) and by segments (lab.segment_attention):
-    the fp32 no-grad pass and the gradient pass (forward and backward in the compute dtype, no
-    optimizer, activation checkpointing on as in train.py), each timed with its peak memory and
-    attention ops, and the log-probs' largest difference; by segments also the no-grad pass with
-    fp32 matmuls from bf16 pieces (bf16x6). A variant out of memory is reported as such, and the
-    other still runs."""
-    from lab import segment_attention
-
+    """The packed passes with the block mask and by segments (segment_attention.py): the fp32
+    no-grad pass and the gradient pass (forward and backward in the compute dtype, no optimizer,
+    activation checkpointing on as in train.py), each timed with its peak memory and attention ops,
+    and the log-probs' largest difference; by segments also the no-grad pass with fp32 matmuls from
+    bf16 pieces (bf16x6). A variant out of memory is reported as such, and the other still runs."""
     dtype = runtime.compute_dtype("auto", device)
     model = build(shape, device)
     set_checkpointing(model, True)
@@ -364,37 +363,37 @@ def attention_part(args, shape, device, peak):
     result = {"shape": shape, "rows": len(prompts)}
     logps, warm = {}, slice(0, args.group_size)
 
-    def gradient_pass():
-        for start, size in zip(*micro_batch_starts(prompts, args.micro_batch)):
-            rows = slice(start, start + size)
-            logp, _ = train.token_logprobs(model, prompts[rows], responses[rows], mask[rows], 1.0,
-                                           dtype)
-            logp.sum().backward()
+    def gradient_pass(by_segments):
+        # by segments around the backward too: activation checkpointing recomputes the forward there
+        with segment_attention.attention(model) if by_segments else contextlib.nullcontext():
+            for start, size in zip(*micro_batch_starts(prompts, args.micro_batch)):
+                rows = slice(start, start + size)
+                logp, _ = train.token_logprobs(model, prompts[rows], responses[rows], mask[rows],
+                                               1.0, dtype, by_segments=by_segments)
+                logp.sum().backward()
         model.zero_grad(set_to_none=True)
 
     def variant(name):
+        by = dict(by_segments=name == "segments")
         ops = attention_ops(train.no_grad_logprobs, model, prompts[warm], responses[warm],
-                            mask[warm], 1.0, torch.float32, args.micro_batch)
+                            mask[warm], 1.0, torch.float32, args.micro_batch, **by)
         (logps[name], _), nograd_s, nograd_peak = timed(
             device, train.no_grad_logprobs, model, prompts, responses, mask, 1.0, torch.float32,
-            args.micro_batch)
+            args.micro_batch, **by)
         result[name] = {"nograd_s": nograd_s, "nograd_peak_bytes": nograd_peak,
                         "attention_ops_nograd": ops}  # kept if the gradient pass fails
-        _, grad_s, grad_peak = timed(device, gradient_pass)
+        _, grad_s, grad_peak = timed(device, gradient_pass, by["by_segments"])
         result[name] |= {"gradient_pass_s": grad_s, "gradient_peak_bytes": grad_peak}
         if name == "segments":  # with fp32 matmuls from bf16 pieces too (docs/precision.md)
-            with bf16_pieces(6):
-                train.no_grad_logprobs(model, prompts[warm], responses[warm], mask[warm], 1.0,
-                                       torch.float32, args.micro_batch)
-                _, result[name]["nograd_bf16x6_s"], _ = timed(
-                    device, train.no_grad_logprobs, model, prompts, responses, mask, 1.0,
-                    torch.float32, args.micro_batch)
+            train.no_grad_logprobs(model, prompts[warm], responses[warm], mask[warm], 1.0,
+                                   "bf16x6", args.micro_batch)
+            _, result[name]["nograd_bf16x6_s"], _ = timed(
+                device, train.no_grad_logprobs, model, prompts, responses, mask, 1.0, "bf16x6",
+                args.micro_batch)
 
-    for name, context in (("block_mask", contextlib.nullcontext),
-                          ("segments", lambda: segment_attention.segments(model))):
+    for name in ("block_mask", "segments"):
         try:
-            with context():
-                variant(name)
+            variant(name)
         except torch.OutOfMemoryError as error:
             result.setdefault(name, {})["error"] = str(error).splitlines()[0]
             model.zero_grad(set_to_none=True)

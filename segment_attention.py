@@ -3,7 +3,8 @@ mask lets through, when asked (by_segments; issue 35).
 
 train.token_logprobs packs an RLOO group as one sequence, the prompt once and then each response,
 with a block mask (pack_layout); SDPA under that mask computes every (query, key) pair of the L x L
-pack, although the mask lets few through (8.8% at the 1-GPU recipe's shapes, docs/benchmarks.md).
+pack, although the mask lets few through (12.4% at the 1-GPU recipe's shapes: a pack of 160 prompt
+tokens and 5 responses of 1,024).
 By segments, each pack's attention is computed piece by piece:
 - the prompt over itself, causal (`is_causal`);
 - each response over the prompt and its own earlier tokens: the causal mask aligned to the
@@ -17,8 +18,8 @@ the block mask, the same log-probs to float rounding (tests/test_segment_attenti
 Measured on an H200 at the Qwen2.5-1.5B shape (docs/benchmarks.md), when each segment went to SDPA
 as a 3-D tensor (its math kernels): a no-grad pass took 0.87 of the block mask's time in fp32 and
 0.84 in bf16x6, a gradient pass 1.22. Since, the segments are 4-D, so SDPA may pick a fused kernel
-(a CPU's flash kernel does): at the default run's shapes on a 2-core CPU a no-grad pass by segments
-took 0.995 of the block mask's time, 1.09 in 3-D (studies/segments-cpu); not yet on a GPU.
+(a CPU's flash kernel does): at the default run's shapes, on one CPU thread, a no-grad pass by
+segments took 1.003 of the block mask's time, 1.096 in 3-D (studies/segments-cpu); not yet on a GPU.
 train.py keeps the block mask in every pass for now: the values of the KL in the reward (no-grad
 passes) and in the loss (the gradient pass, whose own values it uses where the two passes share a
 dtype) come from one computation, and the gradient pass was slower by segments.

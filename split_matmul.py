@@ -21,7 +21,7 @@ Six bf16 products cost less than one fp32 product where bf16 runs ~15x faster (A
 `bf16_pieces(terms)` turns it on for every fp32 F.linear inside a `with` (all of a transformers
 model's projections and its output layer; attention's own matmuls stay fp32). lab.kl_floor
 measures its KL floor, `lab.bench_train --parts precision` its time. On an H200 it kept float64's
-K1 and K3 within 0.15% on both of docs/precision.md's models, in 0.83 of fp32's time at the 1.5B
+K1 and K3 within 0.14% on both of docs/precision.md's models, in 0.83 of fp32's time at the 1.5B
 shape, so train.py's no-grad passes use it on CUDA (runtime.logprob_dtype; a CPU keeps plain fp32).
 """
 import torch

@@ -5,7 +5,8 @@ segment_attention.py has it; and 3-D, as it was when the H200 measured it) again
 
 SmolLM2-135M-Instruct (the embedded model, fp32), 8 arith training prompts x 4 rows, random
 40-token responses of which every third ends early, micro-batches of 8, with the entropy (the
-policy's pass); process CPU seconds of each pass, 4 rounds, the variants' order rotated each round."""
+policy's pass); process CPU seconds of each pass, 4 rounds, the variants' order rotated each round,
+and their median (the mean of the middle two)."""
 import sys
 import time
 from pathlib import Path
@@ -69,9 +70,15 @@ for round_ in range(4):
         logp[name] = train.no_grad_logprobs(model, prompts, responses, mask, 1.0, torch.float32, 8,
                                             entropy=True, by_segments=by_segments)[0]
         seconds[name].append(time.process_time() - started)
-block = sorted(seconds["block mask"])[2]
+
+
+def median(times):
+    ordered = sorted(times)
+    return (ordered[1] + ordered[2]) / 2  # of 4
+
+
+block = median(seconds["block mask"])
 for name, times in seconds.items():
-    median = sorted(times)[2]  # of 4: the upper middle
-    print(f"{name:17s} CPU s {', '.join(f'{t:.2f}' for t in times)}; median {median:.2f} = "
-          f"{median / block:.3f} of the block mask's; largest |log-prob difference| "
+    print(f"{name:17s} CPU s {', '.join(f'{t:.2f}' for t in times)}; median {median(times):.2f} = "
+          f"{median(times) / block:.3f} of the block mask's; largest |log-prob difference| "
           f"{(logp[name] - logp['block mask']).abs().max():.1e}")

@@ -96,7 +96,8 @@ def logprob_dtype(name, device):
     CPU, where bf16 rounding puts a floor under every KL: docs/precision.md."""
     if name == "auto":
         name = CUDA_LOGPROB_DTYPE if device.type == "cuda" else "float32"
-        name = name if name != "bf16x6" or split_matmul.OUT_DTYPE else "float32"
+        if name == "bf16x6" and not split_matmul.OUT_DTYPE:  # its GEMM needs torch 2.8's out_dtype
+            name = "float32"
     return name if name == "bf16x6" else getattr(torch, name)
 
 

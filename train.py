@@ -303,12 +303,14 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
             allowed[j, columns, start:P] = True
             allowed[j, columns, columns] = torch.ones(length, length, dtype=torch.bool,
                                                       device=device).tril()
+    segments, attention = {}, contextlib.nullcontext()
+    if by_segments:  # only the pairs `allowed` lets through, pack by pack (segment_attention.py)
+        segments = {"segments": segment_attention.layout(packs, P)}
+        attention = segment_attention.attention(model)
     # no cast cache: each weight is used once per forward, and a cache would hold a bf16 copy of all
     # of them (0.25 GiB) through the pass
-    segments = {"segments": segment_attention.layout(packs, P)} if by_segments else {}
     with (torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32,
-                         cache_enabled=False),
-          segment_attention.attention(model) if by_segments else contextlib.nullcontext()):
+                         cache_enabled=False), attention):
         logits = model(input_ids=input_ids, attention_mask=allowed.unsqueeze(1),
                        position_ids=position_ids, use_cache=False, logits_to_keep=L - P + 1,
                        **segments).logits

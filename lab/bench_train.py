@@ -17,10 +17,9 @@ memory do not depend on the weights), through the trainer's own functions:
   accumulation), each timed (their KL floors: lab/kl_floor.py --device cuda).
 - attention_ops_*: the attention ops one group's passes dispatch (AttentionOps), which says which SDPA
   kernel runs under the packed block mask, or whether the math fallback builds the L x L scores.
-- attention: at the 1.5B shape, the no-grad and the gradient pass with the block mask and by segments
-  (segment_attention.py, computing only the pairs the mask allows; train.py's no-grad passes run by
-  segments, its gradient pass with the block mask), timed, with peak memory and the log-probs'
-  largest difference.
+- attention: at the 1.5B shape, the no-grad and the gradient pass with the block mask (train.py's,
+  in every pass) and by segments (segment_attention.py, computing only the pairs the mask allows),
+  timed, with peak memory and the log-probs' largest difference.
 - profile (not in the default --parts): where one group's passes spend their time at the 1.5B shape,
   torch.profiler's kernels (a CPU's ops) largest first: the gradient pass (forward and backward,
   activation checkpointing on, as train.py runs it) and the no-grad pass (train.py's --logprob-dtype
@@ -374,17 +373,18 @@ def attention_part(args, shape, device, peak):
         model.zero_grad(set_to_none=True)
 
     def variant(name):
-        by = dict(by_segments=name == "segments")
+        by_segments = name == "segments"
         ops = attention_ops(train.no_grad_logprobs, model, prompts[warm], responses[warm],
-                            mask[warm], 1.0, torch.float32, args.micro_batch, **by)
+                            mask[warm], 1.0, torch.float32, args.micro_batch,
+                            by_segments=by_segments)
         (logps[name], _), nograd_s, nograd_peak = timed(
             device, train.no_grad_logprobs, model, prompts, responses, mask, 1.0, torch.float32,
-            args.micro_batch, **by)
+            args.micro_batch, by_segments=by_segments)
         result[name] = {"nograd_s": nograd_s, "nograd_peak_bytes": nograd_peak,
                         "attention_ops_nograd": ops}  # kept if the gradient pass fails
-        _, grad_s, grad_peak = timed(device, gradient_pass, by["by_segments"])
+        _, grad_s, grad_peak = timed(device, gradient_pass, by_segments)
         result[name] |= {"gradient_pass_s": grad_s, "gradient_peak_bytes": grad_peak}
-        if name == "segments":  # with fp32 matmuls from bf16 pieces too (docs/precision.md)
+        if by_segments:  # with fp32 matmuls from bf16 pieces too (docs/precision.md)
             train.no_grad_logprobs(model, prompts[warm], responses[warm], mask[warm], 1.0,
                                    "bf16x6", args.micro_batch)
             _, result[name]["nograd_bf16x6_s"], _ = timed(

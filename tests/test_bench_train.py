@@ -28,7 +28,7 @@ def test_every_part_reports_on_a_cpu(tmp_path, one_thread):
         assert update["gradient_pass_s"] + update["optimizer_s"] == pytest.approx(update["s"])
     assert 0 < train_part["nograd_share_of_training"] < 1
     assert train_part["logprob_dtype"] == "float32"  # train.py's auto on a CPU (bf16x6 on CUDA)
-    # which SDPA kernel ran: a fused one, by segments (the no-grad pass) and with the block mask
+    # which SDPA kernel ran under train.py's block mask: a fused one (not the math fallback)
     for passes in ("attention_ops_nograd", "attention_ops_gradient"):
         assert any("scaled_dot_product" in op for op in train_part[passes]), train_part[passes]
     attention = report["parts"]["attention/tiny"]  # block mask against segments: the same log-probs

@@ -102,7 +102,7 @@ def test_the_trainers_bf16x6_passes_run_every_linear_layer_through_six_products(
                                                                                 monkeypatch):
     """--logprob-dtype bf16x6 (CUDA's default): train.no_grad_logprobs runs each micro-batch's
     linear layers through split_linear with six products, not autocast, and gives what the same
-    pass under bf16_pieces(6) gives; the gradient pass's dtype check sees it as not fp32."""
+    pass under bf16_pieces(6) gives."""
     import split_matmul
 
     model = tiny_llama(128, num_attention_heads=4, num_key_value_heads=2).requires_grad_(False)

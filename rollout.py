@@ -348,19 +348,28 @@ def compiled_step(backend="inductor"):
     return functools.partial(static_step, decode_fn=compiled_decode)
 
 
-def capture(step, pool):
-    """Run step() once, eagerly on a side stream (the warm-up CUDA graphs need: cuBLAS workspaces,
-    kernel choices), then record it as a CUDA graph whose replay() is the next step. Why graphs pay
-    on a GPU: a step is ~1,000-2,000 small kernels, each launched from Python in a few microseconds,
-    while the GPU runs most of them faster than that, so eagerly it waits on the CPU; a replay
-    launches the whole recorded step at once, and the step runs at the card's memory bandwidth."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+@functools.cache
+def capture_stream(device):
+    """The one side stream on which every capture of the process warms up and records. cuBLAS keeps
+    a workspace for each stream it has run a GEMM on (32 MiB on a Hopper card) in PyTorch's
+    allocator until the process ends: a new stream per capture held one more for each span, up to
+    PyTorch's pool of 32 streams (~1 GB)."""
+    return torch.cuda.Stream(device)
+
+
+def capture(step, pool, stream):
+    """Run step() once, eagerly on the side `stream` (the warm-up CUDA graphs need: cuBLAS
+    workspaces, kernel choices), then record it there as a CUDA graph whose replay() is the next
+    step. Why graphs pay on a GPU: a step is ~1,000-2,000 small kernels, each launched from Python
+    in a few microseconds, while the GPU runs most of them faster than that, so eagerly it waits on
+    the CPU; a replay launches the whole recorded step at once, and the step runs at the card's
+    memory bandwidth."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
         step()
-    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
         step()  # recorded, not run
     return graph
 
@@ -388,7 +397,8 @@ def static_decode(model, cache, logits, state, cuda_graphs=True, compiled=False)
         elif span in graphs:
             graphs[span].replay()
         else:
-            graphs[span] = capture(lambda: step_fn(model, cache, state, span), pool)
+            graphs[span] = capture(lambda: step_fn(model, cache, state, span), pool,
+                                   capture_stream(cache.k.device))
     return state
 
 

@@ -37,7 +37,8 @@ Each transient (a prefill bucket, a decode step, the two passes) is traced from 
 train.token_logprobs' own code on fake tensors (FakeTensorMode: shapes, no data), counting the
 bytes of every storage alive after each op: the micro-batch is the largest that micro_batch_sizes
 makes of the longest prompts with responses at full length. A CUDA kernel's own workspace is not an
-op and is not in the trace (docs/gpu.md compares the trace with the peaks an H200 measured).
+op and is not in the trace (docs/gpu.md compares the trace with the peaks an H200 measured); on CUDA,
+cuBLAS's workspaces are resident: one for each thread and stream that runs a GEMM, kept to the end.
 Host memory per node: each rank builds the fp32 model on its host (policy, then reference, one at a
 time) before moving or sharding it.
 
@@ -72,6 +73,9 @@ import split_matmul  # noqa: E402
 import train  # noqa: E402
 
 GB = 1e9
+# a cuBLAS workspace on a Hopper card (H100, H200): PyTorch's default CUBLAS_WORKSPACE_CONFIG there,
+# 32 MiB, and cuBLASLt's 1 MiB (8.1 + 1 MiB on other cards)
+CUBLAS_WORKSPACE = 33 * 2**20
 # the paper's models (their config.json on the hub), so a plan needs no download
 CONFIGS = {
     "Qwen/Qwen2.5-7B": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944,
@@ -322,6 +326,11 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
         resident["reference, fp32"] = 4 * params * shard
     if ddp:
         resident["DDP's gradient buckets, fp32"] = 4 * params
+    if device == "cuda":
+        # cuBLAS's workspace for each (thread, stream) that has run a GEMM, in PyTorch's allocator
+        # until the process ends: the main thread's stream, autograd's backward thread and the
+        # sampler's capture stream (rollout.capture_stream)
+        resident["cuBLAS's workspaces, 3 streams"] = 3 * CUBLAS_WORKSPACE
     sampler = size * params if fsdp or size != 4 else 0
     kv_row = 2 * math.prod(rollout.cache_shape(meta, 1, slots)) * size  # rollout.kv_bytes, K and V
     call_rows = min(flags.generate_rows or rows, rows)
@@ -579,7 +588,7 @@ def main(argv=None):
     for phase, tip in tips.items():
         print(f"does not fit {args.gpu_gb:g} GB in {phase}: lower it with {tip}")
     if args.device == "cuda" and not tips:
-        print(f"fits {args.gpu_gb:g} GB in every phase (before CUDA's workspaces and "
+        print(f"fits {args.gpu_gb:g} GB in every phase (before kernels' own workspaces and "
               "fragmentation)")
     if args.json:
         Path(args.json).write_text(json.dumps({"facts": facts, "table": table, "measured": measured,

@@ -16,6 +16,7 @@ it runs and what --dtype auto means on a GPU.
 - gpu_check.py, the acceptance command for a GPU machine, tried on the CPU (--allow-cpu).
 The same checks on a real GPU: test_gpu.py, and gpu_check.py (docs/gpu.md).
 """
+import contextlib
 import sys
 import types
 from pathlib import Path
@@ -332,3 +333,46 @@ def test_generate_rows_auto_counts_the_allocators_unused_memory_as_free(monkeypa
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 60 * gib)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 35 * gib)
     assert runtime.cuda_free_for_tensors(CUDA) == 35 * gib
+
+
+def test_every_capture_warms_up_and_records_on_one_side_stream(monkeypatch):
+    """cuBLAS keeps a workspace (32 MiB on a Hopper card) for each stream that has run a GEMM, in
+    PyTorch's allocator until the process ends: a new side stream per capture held one more for
+    each span the sampler captured. With torch.cuda's streams and graphs recorded: one side stream
+    for the process (rollout.capture_stream), and each capture's warm-up and recording on it.
+    test_gpu.py checks the memory itself."""
+    streams, used, steps = [], [], []
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    def new_stream(device=None):
+        streams.append(Stream())
+        return streams[-1]
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        used.append(("warm-up", stream))
+        yield
+
+    @contextlib.contextmanager
+    def recording(graph, pool=None, stream=None):
+        used.append(("record", stream))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", new_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    monkeypatch.setattr(torch.cuda, "graph", recording)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    rollout.capture_stream.cache_clear()
+    try:
+        for span in (128, 256, 384):  # a new span, a new graph (static_decode)
+            rollout.capture(lambda span=span: steps.append(span), None,
+                            rollout.capture_stream(CUDA))
+    finally:
+        rollout.capture_stream.cache_clear()
+    assert len(streams) == 1
+    assert used == [("warm-up", streams[0]), ("record", streams[0])] * 3
+    assert steps == [128, 128, 256, 256, 384, 384]  # run once on the stream, then recorded

@@ -7,9 +7,9 @@ through stand-ins (test_cuda_paths.py): the rule that picks flash and bf16 on th
 pre-Ampere GPU with flash-attn installed, that its kernel does refuse it); the sampler's
 flash_attn_with_kvcache path against its SDPA path on the same cache; greedy generation with each,
 token by token against the model's own forward pass; the fixed-shape loop replayed as a CUDA graph
-against its eager steps, and under torch.cuda.set_sync_debug_mode("error"); a bf16 training step
-of train.py on CUDA (NCCL is not needed: one process); and an --async-lag queue saved from CUDA onto
-the CPU and resumed.
+against its eager steps, under torch.cuda.set_sync_debug_mode("error"), and holding no memory
+after a second call (its captures' cuBLAS workspace); a bf16 training step of train.py on CUDA (NCCL
+is not needed: one process); and an --async-lag queue saved from CUDA onto the CPU and resumed.
 """
 import json
 import os
@@ -135,6 +135,24 @@ def test_the_fixed_shape_loop_never_syncs(graphs):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert int(state.step) == 20 and state.lengths.eq(20).all()
+
+
+def test_a_second_generate_holds_no_more_memory_than_the_first_left(monkeypatch):
+    """Each capture of the fixed-shape loop warms up and records on one side stream for the process
+    (rollout.capture_stream): cuBLAS keeps a workspace (32 MiB on a Hopper card) in PyTorch's
+    allocator for each stream that has run a GEMM, until the process ends, so a new stream per
+    capture held one more for each span. Here each call captures four spans (SDPA: one graph per
+    SPAN_BUCKET slots); once the first call has made the side stream's workspace, the second leaves
+    the allocated bytes as they were."""
+    monkeypatch.setattr(rollout, "flash_choice", lambda device, dtype: (False, "SDPA"))
+    model = lively(tiny_model("llama3")).cuda().bfloat16()
+    max_new_tokens = 3 * rollout.SPAN_BUCKET  # spans of 128, 256, 384 and the cache's length
+    rollout.generate(model, PROMPTS, max_new_tokens, generator=torch.Generator("cuda").manual_seed(0))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    rollout.generate(model, PROMPTS, max_new_tokens, generator=torch.Generator("cuda").manual_seed(1))
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
 
 
 def test_bf16_train_step_on_cuda(tmp_path, letter_model):

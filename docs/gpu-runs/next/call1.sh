@@ -16,8 +16,8 @@ timeout 230 python3 -m lab.bench_rollout --decode --models qwen2.5-7b --batches 
     --profile qwen2.5-7b:256 --budget 200 --out $OUT/decode_7b_compiled.json 2>&1 \
     | grep -v "Loading weights" | tee $OUT/decode_compiled.log
 echo "== 7B done at $((SECONDS-T0)) s" | tee -a $OUT/decode_compiled.log
-timeout 150 python3 -m lab.bench_rollout --decode --models smollm2-135m --batches 64 --eos-tokens 0 \
+timeout 110 python3 -m lab.bench_rollout --decode --models smollm2-135m --batches 64 --eos-tokens 0 \
     --ours-compiled smollm2-135m:64 --hf-compiled --samplers "ours graphed" "ours compiled" \
-    --budget 120 --out $OUT/decode_smollm2_compiled.json 2>&1 | grep -v "Loading weights" \
+    --budget 85 --out $OUT/decode_smollm2_compiled.json 2>&1 | grep -v "Loading weights" \
     | tee -a $OUT/decode_compiled.log
 echo "== done at $((SECONDS-T0)) s" | tee -a $OUT/decode_compiled.log

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import rollout
 import split_matmul
 
 try:  # glibc, for return_freed_memory
@@ -62,6 +63,12 @@ def compute_dtype(name, device):
 # float64 K1 by 94% to 15,000% (2026-11-27); fp32 from six bf16 products (split_matmul.py) kept K1
 # and K3 within 0.14%, in 0.83 of fp32's time (2026-11-28)
 CUDA_LOGPROB_DTYPE = "bf16x6"
+
+
+# where the sampler's own copy joins its q/k/v and gate/up projections (rollout.fuse_projections): a
+# GPU, where k_proj's and v_proj's GEMMs ran at a tenth of the card's bandwidth (the rule that keeps
+# it is registered in docs/benchmarks.md); not a CPU, where joined was no faster (studies/fused-cpu)
+JOINED_PROJECTIONS_ON = ("cuda",)
 
 
 # --generate-rows auto: the share of the GPU memory free when a rollout starts that its KV cache may
@@ -207,12 +214,16 @@ def make_sampler(policy, device, dtype, fsdp):
     made without a second fp32 copy (each weight is cast as it is copied). Buffers keep their dtype:
     the rotary frequencies rounded to bf16 would turn every position's angle (a 0.2% error in a
     frequency is 0.3 radians at position 200). In fp32, without FSDP, the policy itself is the
-    sampler."""
+    sampler. On a GPU the copy's q/k/v and gate/up weights are joined (rollout.fuse_projections: 4
+    GEMMs a layer, not 7; JOINED_PROJECTIONS_ON); the policy's, which the optimizer updates, never."""
     if dtype == torch.float32 and not fsdp:
         return policy.to(device)
     memo = {id(p): torch.nn.Parameter(p.detach().to(device, dtype), requires_grad=False)
             for p in policy.parameters()}  # deepcopy takes these for the weights, copies the rest
-    return copy.deepcopy(policy, memo).to(device).eval()
+    sampler = copy.deepcopy(policy, memo).to(device).eval()
+    if device.type in JOINED_PROJECTIONS_ON:
+        rollout.fuse_projections(sampler)
+    return sampler
 
 
 def release_sampler(sampler, policy):
@@ -221,6 +232,7 @@ def release_sampler(sampler, policy):
     if sampler is not unwrap(policy):
         for param in sampler.parameters():
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+        rollout.unfuse_projections(sampler)  # the joined weights they were views of
 
 
 @torch.no_grad()
@@ -230,7 +242,10 @@ def refresh_sampler(sampler, policy):
     if sampler is unwrap(policy):
         return
     weights = dict(unwrap(policy).named_parameters())
+    rollout.unfuse_projections(sampler)  # a layer's old joined weights go as its views are replaced
     for name, param in sampler.named_parameters():
         weight = weights[name]
         weight = weight.full_tensor() if isinstance(weight, DTensor) else weight
         param.data = weight.detach().to(param.dtype, copy=True)
+    if param.device.type in JOINED_PROJECTIONS_ON:
+        rollout.fuse_projections(sampler)  # joined again from the new weights

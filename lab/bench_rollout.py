@@ -11,13 +11,14 @@ on an H100 (`--budget`): `python -m lab.bench_rollout --decode --out decode.json
 (its own weights when installed) and random-weight models in the shapes of Qwen2.5-1.5B and
 Qwen2.5-7B, at batch 64 and 256, bf16: ms per decode step with EOS off, (t(N2) - t(N1)) / (N2 - N1)
 of whole generate calls, median of 3 repeats with the samplers alternating: ours graphed (the
-fixed-shape step replayed as a CUDA graph), ours compiled (the same, the step compiled by
-torch.compile before the capture; SmolLM2 at batch 64 only), ours eager (the same step launched op
-by op), ours compaction (the CPU's loop), model.generate eager and with its static cache +
-torch.compile (SmolLM2 at batch 64 only: a compile per shape); beside each, the HBM floor,
-(weights + live KV bytes read per step) / the card's measured read bandwidth, and the fraction of it
-reached. Then
-useful tokens/s, greedy, EOS on, SmolLM2 (the same work for every sampler); and the fixed-shape
+fixed-shape step replayed as a CUDA graph, with the projections joined as train.py's sampler has
+them: rollout.fuse_projections), ours unfused (the same, a GEMM per projection), ours compiled (the
+same, the step compiled by torch.compile before the capture; SmolLM2 at batch 64 only), ours eager
+(the same step launched op by op), ours compaction (the CPU's loop), model.generate eager and with
+its static cache + torch.compile (SmolLM2 at batch 64 only: a compile per shape); beside each, the
+HBM floor, (weights + live KV bytes read per step) / the card's measured read bandwidth, and the
+fraction of it reached. Then useful tokens/s, greedy, EOS on, SmolLM2 (the same work for every
+sampler); and the fixed-shape
 loop under torch.cuda.set_sync_debug_mode("error"). `--profile MODEL:BATCH`: where a step's time
 goes, each kernel's time a step from torch.profiler (ours graphed and eager; a CPU's ops on a CPU).
 The JSON is rewritten after each measurement, so a timeout keeps what finished. `--allow-cpu` runs
@@ -73,7 +74,8 @@ decode.add_argument("--ours-compiled", nargs="*", default=["smollm2-135m:64"],
                     help="where ours also runs with its step compiled by torch.compile before the "
                          "capture (rollout.compiled_step; CUDA only; a compile a shape)")
 decode.add_argument("--samplers", nargs="+", metavar="NAME",
-                    choices=("ours graphed", "ours compiled", "ours eager", "ours compaction",
+                    choices=("ours graphed", "ours unfused", "ours compiled", "ours eager",
+                             "ours compaction",
                              "hf eager", "hf static+compile"),
                     help="the ms-per-step part times only these (default: every sampler that "
                          "runs here); for a short GPU slot's rerun")
@@ -89,7 +91,8 @@ import torch  # noqa: E402  (after argparse so --help is instant)
 
 import data  # noqa: E402
 from model import load_model, load_tokenizer  # noqa: E402
-from rollout import flash_choice, generate  # noqa: E402
+import runtime  # noqa: E402
+from rollout import flash_choice, fuse_projections, generate  # noqa: E402
 from lab.bench_train import SHAPES as QWEN_SHAPES  # noqa: E402
 
 if args.threads:
@@ -250,10 +253,10 @@ STARTED = time.perf_counter()
 
 def decode_model(name, dtype):
     """(model, real): SmolLM2 with its own weights when installed, else a random model of the
-    shape."""
+    shape; as train.py samples from it (as_sampler)."""
     if name == "smollm2-135m":
         try:
-            return load_model(name, dtype=dtype).to(DEVICE), True
+            return as_sampler(load_model(name, dtype=dtype).to(DEVICE)), True
         except Exception:  # noqa: BLE001  (not installed: its shape, random)
             pass
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -263,7 +266,16 @@ def decode_model(name, dtype):
     torch.manual_seed(0)
     with torch.device(DEVICE):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval(), False
+    return as_sampler(model.eval()), False
+
+
+def as_sampler(model):
+    """The model as train.py samples from it: on a GPU, where the sampler is a bf16 copy, its
+    projections joined (runtime.make_sampler)."""
+    copy = next(model.parameters()).dtype != torch.float32
+    if copy and DEVICE.type in runtime.JOINED_PROJECTIONS_ON:
+        fuse_projections(model)
+    return model
 
 
 def floor_bytes(model, rows, mean_span):
@@ -297,11 +309,18 @@ def decode_samplers(model, name, prompts, eos=None, temperature=1.0, compiled=Fa
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=DEVICE)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=DEVICE)
 
-    def ours(static, graphs=True, compiled_step=False):
-        return lambda n, seed: generate(model, prompts, n, temperature=temperature,
-                                        eos_token_id=eos, static=static, cuda_graphs=graphs,
-                                        generator=torch.Generator(DEVICE).manual_seed(seed),
-                                        compiled=compiled_step)
+    def ours(static, graphs=True, compiled_step=False, fused=True):
+        def run(n, seed):
+            hidden = [] if fused else [(module, vars(module).pop("fused")) for module
+                                       in model.modules() if "fused" in vars(module)]
+            try:
+                return generate(model, prompts, n, temperature=temperature, eos_token_id=eos,
+                                static=static, cuda_graphs=graphs, compiled=compiled_step,
+                                generator=torch.Generator(DEVICE).manual_seed(seed))
+            finally:
+                for module, joined in hidden:
+                    module.fused = joined
+        return run
 
     def hf(**extra):
         sampling = (dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
@@ -314,6 +333,8 @@ def decode_samplers(model, name, prompts, eos=None, temperature=1.0, compiled=Fa
                                   eos_token_id=eos, pad_token_id=0, **length, **sampling, **extra)
         return run
     runs = {"ours graphed": ours(True)} if cuda else {}
+    if cuda and hasattr(model.model.layers[0].self_attn, "fused"):
+        runs["ours unfused"] = ours(True, fused=False)  # the same, a GEMM per projection
     if cuda and ours_compiled:
         runs["ours compiled"] = ours(True, compiled_step=True)
     runs |= {"ours eager": ours(True, graphs=False), "ours compaction": ours(False),

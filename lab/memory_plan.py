@@ -14,7 +14,7 @@ Per rank, in each phase of a step (GB = 1e9 bytes); the phase's peak is its sum:
 - sampling: the sampler's copy in the compute dtype (none in fp32 without FSDP: the policy samples),
   the KV cache of one generate call at the longest prompt (its rows: --generate-rows, or as
   runtime.rows_that_fit picks them from --gpu-gb), the rollout's outputs, and the larger transient
-  of a prefill bucket and of a decode step (logits, probabilities and a float64 CDF over the vocab).
+  of a prefill bucket and of a decode step (logits, probabilities and their blocks over the vocab).
 - no-grad passes: the log-prob pass (in --logprob-dtype) of one micro-batch, with the entropy (the
   policy's pass; the reference's has none).
 - gradient pass: the gradients (fp32) and one micro-batch's forward and backward in the compute
@@ -238,13 +238,16 @@ def traced(run):
     return tracker.peak
 
 
-def traced_sampling(config, dtype, rows, distinct, prompt_tokens, max_new_tokens):
+def traced_sampling(config, dtype, rows, distinct, prompt_tokens, max_new_tokens, fused):
     """(prefill bucket, decode step) transient peaks, bytes: rollout.forward over one prefill bucket
     of the call's `distinct` prompts (its next-token logits included), and rollout.static_step (the
     fixed-shape step over all `rows` at the longest span, sampling included), beside a KV cache of
-    `rows` x (prompt_tokens + max_new_tokens) slots that is not counted here."""
+    `rows` x (prompt_tokens + max_new_tokens) slots that is not counted here; `fused`: the
+    projections joined, as runtime.make_sampler's copy has them."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = fake_model(config, dtype)
+        if fused:
+            rollout.fuse_projections(model)
         slots = prompt_tokens + max_new_tokens
         shape = rollout.cache_shape(model, rows, slots)
         cache = rollout.KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype),
@@ -339,8 +342,9 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
         call_rows = max(1, min(rows, int(runtime.KV_SHARE * free // kv_row)))
     # a call's rows are whole groups of --group-size, but for one split by the call's end
     distinct = min(-(-call_rows // flags.group_size) + 1, call_rows)
+    joined = sampler > 0 and device in runtime.JOINED_PROJECTIONS_ON  # as make_sampler does
     prefill, decode = traced_sampling(config, dtype, call_rows, distinct, prompt_tokens,
-                                      flags.max_new_tokens)
+                                      flags.max_new_tokens, fused=joined)
     prompts = [[g] * prompt_tokens for g in range(rows // flags.group_size + 1)
                for _ in range(flags.group_size)][:rows]
     sizes = train.micro_batch_sizes(prompts, flags.micro_batch)

@@ -178,13 +178,15 @@ def test_flash_fixed_shape_loop_equals_hf_greedy(forced_on, monkeypatch, family,
     above: the kernel reads each row's own cache_seqlens, and rows that have emitted EOS stay in
     the batch and go on writing past their end, so the stand-in's bounds checks see every slot
     written. fp32: every row equals Hugging Face's greedy generate, and a sampled run equals the
-    SDPA fixed-shape loop's; bf16: every token an argmax up to a tie."""
+    SDPA fixed-shape loop's; bf16, with the projections joined as train.py's bf16 sampler has them
+    (rollout.fuse_projections): every token an argmax up to a tie."""
     monkeypatch.setattr(forced_on, "ALLOW_FP32", dtype == torch.float32)
     model = lively(tiny_model(family))
     free = [hf_greedy(model, prompt, 16) for prompt in PREFILL_PROMPTS]
     eos = eos_for_mixed_lengths(free)
     if dtype == torch.bfloat16:
         model = model.to(dtype)
+        rollout.fuse_projections(model)
     monkeypatch.setattr(forced_on, "calls", 0)
     out = rollout.generate(model, PREFILL_PROMPTS, 16, temperature=0, eos_token_id=eos,
                            static=True)

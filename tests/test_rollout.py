@@ -17,7 +17,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from rollout import KVCache, generate
+import rollout
+from rollout import KVCache, fuse_projections, generate
 
 VOCAB = 96
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -223,6 +224,38 @@ def test_top_p_stays_in_nucleus_with_renormalized_logprobs(model, top_p):
         torch.testing.assert_close(torch.tensor(out.logprobs[row]), expected, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("vocab", [20_000, 16_384, 5_000],
+                         ids=["partial last block", "whole blocks", "one cumsum"])
+def test_inverse_cdf_in_blocks_picks_what_one_cumsum_picks(vocab):
+    """rollout.inverse_cdf finds the block by its sums, then the token by a cumsum inside it (from
+    16 blocks of 1,024 tokens up): the token a float64 cumsum over the whole vocabulary picks, for
+    256 skewed distributions with a third of their tokens at zero mass (as top-p leaves them) and
+    masses that do not sum to 1, one row's whole mass on a single token in the last block. Uniforms
+    of 0 and of the largest double below 1 still pick a token of nonzero mass, also where the
+    cumsum inside the block ends below the block's sum (a mass spread over 12 orders of magnitude:
+    in about half of those rows), so the target lies past it."""
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.rand(256, vocab, generator=generator) ** 4
+    probs[torch.rand(256, vocab, generator=generator) < 0.3] = 0
+    probs[0] = 0
+    probs[0, vocab - 3] = 0.7
+    uniform = torch.rand(256, generator=generator, dtype=torch.float64)
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    expected = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True)
+    tokens, total = rollout.inverse_cdf(probs, uniform)
+    assert torch.equal(tokens, expected)
+    torch.testing.assert_close(total, cdf[:, -1:], atol=0, rtol=1e-12)
+    for edge in (0.0, 1 - 2**-53):
+        tokens, _ = rollout.inverse_cdf(probs, torch.full((256,), edge, dtype=torch.float64))
+        assert (probs.gather(-1, tokens) > 0).all()
+    assert rollout.inverse_cdf(probs[:1], uniform[:1])[0].item() == vocab - 3
+    last_block = torch.zeros(256, vocab)
+    first = (vocab - 1) // 1024 * 1024
+    last_block[:, first:] = torch.rand(256, vocab - first, generator=generator) ** 12
+    tokens, _ = rollout.inverse_cdf(last_block, torch.full((256,), 1 - 2**-53, dtype=torch.float64))
+    assert (last_block.gather(-1, tokens) > 0).all()
+
+
 def test_samples_follow_the_reported_distribution():
     """4000 first tokens of one prompt: empirical frequencies vs the nucleus distribution
     (seeded)."""
@@ -316,6 +349,41 @@ def test_same_seed_same_samples(model):
     a, b, c = run(7), run(7), run(8)
     assert a.response_ids == b.response_ids and torch.equal(a.token_logprobs, b.token_logprobs)
     assert a.response_ids != c.response_ids
+
+
+def storage_bytes(model):
+    """Bytes of the distinct storages behind the model's parameters."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for p in model.parameters()}
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["compaction", "fixed shape"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_projections_sample_as_the_separate_ones(family, static):
+    """fuse_projections joins each layer's q/k/v and gate/up weights (one GEMM each in a step), the
+    separate weights becoming views into them: no second copy, the same sampled tokens with EOS at
+    mixed lengths and top-p, the same log-probs up to the GEMMs' rounding, and greedy rows still
+    Hugging Face's (whose forward reads the views)."""
+    model = lively(tiny_model(family))
+    eos = eos_for_mixed_lengths(generate(model, PROMPTS, 16, temperature=0).response_ids)
+
+    def sampled():
+        return generate(model, PROMPTS, 16, temperature=1.0, top_p=0.8, eos_token_id=eos,
+                        generator=torch.Generator().manual_seed(3), static=static)
+    separate, before = sampled(), storage_bytes(model)
+    fuse_projections(model)
+    assert storage_bytes(model) == before
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == \
+        attn.fused[0].untyped_storage().data_ptr()
+    fused = sampled()
+    assert fused.response_ids == separate.response_ids
+    assert len(set(map(len, fused.response_ids))) > 1, "the test needs rows that stop"
+    torch.testing.assert_close(fused.token_logprobs, separate.token_logprobs, atol=1e-5, rtol=0)
+    greedy = generate(model, PROMPTS, 16, temperature=0, static=static)
+    for row, prompt in enumerate(PROMPTS):
+        assert greedy.response_ids[row] == hf_greedy(model, prompt, 16)
 
 
 def test_bad_input_raises():

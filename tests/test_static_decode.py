@@ -259,11 +259,15 @@ def test_the_step_writes_in_place():
     assert state.done.any() and not state.done.all(), "the test needs rows that finish"
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_step_traces_as_one_graph(family):
+def test_the_step_traces_as_one_graph(family, fused):
     """torch.compile(fullgraph=True) raises at the first graph break; backend "eager" only traces
-    (seconds on a CPU). The traced step gives the eager step's tokens and log-probs."""
+    (seconds on a CPU). The traced step gives the eager step's tokens and log-probs, also with the
+    projections joined as train.py's sampler has them (rollout.fuse_projections)."""
     model = tiny_model(family)
+    if fused:
+        rollout.fuse_projections(model)
     torch._dynamo.reset()
     step = torch.compile(rollout.static_step, fullgraph=True, backend="eager")
     eager, traced = (started(model, MIXED, 5, eos=[3], top_p=0.8) for _ in range(2))

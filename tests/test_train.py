@@ -684,11 +684,14 @@ def test_bf16_gradient_pass_takes_its_values_from_the_fp32_pass(tiny, tmp_path):
 def test_sampler_shares_fp32_weights_and_keeps_fp32_buffers(tiny, tmp_path):
     """fp32: the policy itself samples (no second copy). bf16: a bf16 copy of the weights whose
     buffers (the rotary frequencies) stay fp32 and equal the policy's, so the sampler's positions
-    are the trainer's."""
+    are the trainer's. On a GPU (here: runtime.JOINED_PROJECTIONS_ON with the CPU in it) its
+    projections are joined again from the weights of each refresh; on a CPU they stay apart."""
     run = train(flags(tiny, tmp_path / "fp32", "--steps", "1", "--place", "none"))
     assert run["sampler"] is run["policy"]
-    run = train(flags(tiny, tmp_path / "bf16", "--steps", "1", "--place", "none",
-                      "--dtype", "bfloat16"))
+    bf16 = ("--steps", "1", "--place", "none", "--dtype", "bfloat16")
+    run = train(flags(tiny, tmp_path / "bf16-cpu", *bf16))
+    assert not any(hasattr(module, "fused") for module in run["sampler"].modules())
+    run = train(flags(tiny, tmp_path / "bf16", *bf16), runtime__JOINED_PROJECTIONS_ON=("cpu",))
     sampler, policy = run["sampler"], run["policy"]
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in sampler.parameters())
     buffers = dict(policy.named_buffers())
@@ -696,6 +699,15 @@ def test_sampler_shares_fp32_weights_and_keeps_fp32_buffers(tiny, tmp_path):
         assert buffer.dtype == buffers[name].dtype and torch.equal(buffer, buffers[name]), name
     for name, param in policy.named_parameters():  # refreshed after the step
         assert torch.equal(sampler.get_parameter(name), param.detach().bfloat16()), name
+    # each layer's q/k/v and gate/up weights joined again from the refreshed ones, which are views
+    # into them (rollout.fuse_projections)
+    for layer in sampler.model.layers:
+        for module, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")),
+                              (layer.mlp, ("gate_proj", "up_proj"))):
+            weight = module.fused[0]
+            assert torch.equal(weight, torch.cat([getattr(module, name).weight for name in names]))
+            assert {getattr(module, name).weight.untyped_storage().data_ptr() for name in names} \
+                == {weight.untyped_storage().data_ptr()}
 
 
 def test_runs_never_mix(tiny, tmp_path, monkeypatch):

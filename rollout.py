@@ -182,9 +182,9 @@ def fuse_projections(model):
     projections into another, the separate weights becoming views into them (no second copy): a
     decode step then runs 4 GEMMs a layer, not 7 (vLLM's QKVParallelLinear and
     MergedColumnParallelLinear, gpt-fast's wqkv). At batch 256 of Qwen2.5-7B on an H200, k_proj's
-    and v_proj's own GEMMs ran at a tenth of the card's bandwidth (docs/benchmarks.md). For a model
-    whose weights are not replaced afterwards (runtime.refresh_sampler joins them again); `.to()`
-    would undo it."""
+    and v_proj's own GEMMs ran at a tenth of the card's bandwidth (docs/benchmarks.md). Weights
+    replaced afterwards (`.to()`, a load) leave the joined ones stale: fuse again (as
+    runtime.refresh_sampler does); generate refuses a model whose joined weights are stale."""
     for layer in model.model.layers:
         fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
         fuse(layer.mlp, ("gate_proj", "up_proj"))
@@ -491,6 +491,13 @@ def check_model(model):
                          f"got '{config.model_type}'")
     if "sliding_attention" in (getattr(config, "layer_types", None) or []):
         raise ValueError("rollout.generate does not implement sliding-window attention layers")
+    for layer in model.model.layers:  # fuse_projections' weights: still those the layers hold
+        for module, first in ((layer.self_attn, "q_proj"), (layer.mlp, "gate_proj")):
+            weight = getattr(module, first).weight
+            if hasattr(module, "fused") and (weight.untyped_storage().data_ptr()
+                                             != module.fused[0].untyped_storage().data_ptr()):
+                raise ValueError("the model's weights were replaced after fuse_projections: fuse "
+                                 "them again (rollout.unfuse_projections, then fuse_projections)")
 
 
 @torch.no_grad()

@@ -68,7 +68,7 @@ CUDA_LOGPROB_DTYPE = "bf16x6"
 # where the sampler's own copy joins its q/k/v and gate/up projections (rollout.fuse_projections): a
 # GPU, where k_proj's and v_proj's GEMMs ran at a tenth of the card's bandwidth (the rule that keeps
 # it is registered in docs/benchmarks.md); not a CPU, where joined was no faster (studies/fused-cpu)
-JOINED_PROJECTIONS_ON = ("cuda",)
+FUSED_PROJECTIONS_ON = ("cuda",)
 
 
 # --generate-rows auto: the share of the GPU memory free when a rollout starts that its KV cache may
@@ -215,13 +215,14 @@ def make_sampler(policy, device, dtype, fsdp):
     the rotary frequencies rounded to bf16 would turn every position's angle (a 0.2% error in a
     frequency is 0.3 radians at position 200). In fp32, without FSDP, the policy itself is the
     sampler. On a GPU the copy's q/k/v and gate/up weights are joined (rollout.fuse_projections: 4
-    GEMMs a layer, not 7; JOINED_PROJECTIONS_ON); the policy's, which the optimizer updates, never."""
+    GEMMs a layer, not 7; FUSED_PROJECTIONS_ON); the policy's, which the optimizer updates,
+    never."""
     if dtype == torch.float32 and not fsdp:
         return policy.to(device)
     memo = {id(p): torch.nn.Parameter(p.detach().to(device, dtype), requires_grad=False)
             for p in policy.parameters()}  # deepcopy takes these for the weights, copies the rest
     sampler = copy.deepcopy(policy, memo).to(device).eval()
-    if device.type in JOINED_PROJECTIONS_ON:
+    if device.type in FUSED_PROJECTIONS_ON:
         rollout.fuse_projections(sampler)
     return sampler
 
@@ -247,5 +248,5 @@ def refresh_sampler(sampler, policy):
         weight = weights[name]
         weight = weight.full_tensor() if isinstance(weight, DTensor) else weight
         param.data = weight.detach().to(param.dtype, copy=True)
-    if param.device.type in JOINED_PROJECTIONS_ON:
+    if next(sampler.parameters()).device.type in FUSED_PROJECTIONS_ON:
         rollout.fuse_projections(sampler)  # joined again from the new weights

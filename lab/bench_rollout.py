@@ -272,8 +272,8 @@ def decode_model(name, dtype):
 def as_sampler(model):
     """The model as train.py samples from it: on a GPU, where the sampler is a bf16 copy, its
     projections joined (runtime.make_sampler)."""
-    copy = next(model.parameters()).dtype != torch.float32
-    if copy and DEVICE.type in runtime.JOINED_PROJECTIONS_ON:
+    bf16_copy = next(model.parameters()).dtype != torch.float32
+    if bf16_copy and DEVICE.type in runtime.FUSED_PROJECTIONS_ON:
         fuse_projections(model)
     return model
 

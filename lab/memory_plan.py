@@ -37,8 +37,9 @@ Each transient (a prefill bucket, a decode step, the two passes) is traced from 
 train.token_logprobs' own code on fake tensors (FakeTensorMode: shapes, no data), counting the
 bytes of every storage alive after each op: the micro-batch is the largest that micro_batch_sizes
 makes of the longest prompts with responses at full length. A CUDA kernel's own workspace is not an
-op and is not in the trace (docs/gpu.md compares the trace with the peaks an H200 measured); on CUDA,
-cuBLAS's workspaces are resident: one for each thread and stream that runs a GEMM, kept to the end.
+op and is not in the trace (docs/gpu.md compares the trace with the peaks an H200 measured); on
+CUDA, cuBLAS's workspaces are resident: one for each thread and stream that runs a GEMM, kept to the
+end.
 Host memory per node: each rank builds the fp32 model on its host (policy, then reference, one at a
 time) before moving or sharding it.
 
@@ -342,7 +343,7 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
         call_rows = max(1, min(rows, int(runtime.KV_SHARE * free // kv_row)))
     # a call's rows are whole groups of --group-size, but for one split by the call's end
     distinct = min(-(-call_rows // flags.group_size) + 1, call_rows)
-    joined = sampler > 0 and device in runtime.JOINED_PROJECTIONS_ON  # as make_sampler does
+    joined = sampler > 0 and device in runtime.FUSED_PROJECTIONS_ON  # as make_sampler does
     prefill, decode = traced_sampling(config, dtype, call_rows, distinct, prompt_tokens,
                                       flags.max_new_tokens, fused=joined)
     prompts = [[g] * prompt_tokens for g in range(rows // flags.group_size + 1)

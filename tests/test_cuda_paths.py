@@ -378,3 +378,46 @@ def test_every_capture_warms_up_and_records_on_one_side_stream(monkeypatch):
     assert len(streams) == 1
     assert used == [("warm-up", streams[0]), ("record", streams[0])] * 3
     assert steps == [128, 128, 256, 256, 384, 384]  # run once on the stream, then recorded
+
+
+def test_the_fixed_shape_loop_captures_each_span_once_on_the_one_stream(monkeypatch):
+    """static_decode on a cache that says it is on CUDA, with capture recorded (it runs the step
+    once, as the real one's warm-up does, and its graph's replay runs the step): each span is
+    captured once, every capture gets the process's one side stream, and the replays give the
+    eager fixed-shape loop's tokens and log-probs."""
+    model = lively(tiny_model("qwen2"))
+    monkeypatch.setattr(rollout, "SPAN_BUCKET", 4)  # a new span every 4 steps
+    prompts, steps = [[5, 6, 7], [8, 9]], 14
+
+    def decoded(cuda_graphs):
+        cache, logits, _ = rollout.prefilled(model, prompts, steps)
+        uniforms = torch.rand(len(prompts), steps, generator=torch.Generator().manual_seed(0),
+                              dtype=torch.float64)
+        state = rollout.new_decoding(uniforms, torch.tensor([], dtype=torch.long), 1.0, 1.0)
+        with monkeypatch.context() as cuda:
+            cuda.setattr(torch.Tensor, "is_cuda", property(lambda tensor: True))
+            rollout.static_decode(model, cache, logits, state, cuda_graphs=cuda_graphs)
+        return state
+
+    streams, captured = [], []
+
+    class Graph:
+        def __init__(self, step):
+            self.replay = step
+
+    def capture(step, pool, stream):
+        captured.append(stream)
+        step()  # the warm-up; the recording runs nothing
+        return Graph(step)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: streams.append(object())
+                        or streams[-1])
+    monkeypatch.setattr(rollout, "capture", capture)
+    rollout.capture_stream.cache_clear()
+    try:
+        graphed, eager = decoded(True), decoded(False)
+    finally:
+        rollout.capture_stream.cache_clear()
+    assert len(streams) == 1 and captured == streams * 4  # spans of 4, 8, 12 and 16 slots
+    assert torch.equal(graphed.tokens_out, eager.tokens_out)
+    assert torch.equal(graphed.logprobs_out, eager.logprobs_out)

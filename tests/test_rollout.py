@@ -364,7 +364,8 @@ def test_fused_projections_sample_as_the_separate_ones(family, static):
     """fuse_projections joins each layer's q/k/v and gate/up weights (one GEMM each in a step), the
     separate weights becoming views into them: no second copy, the same sampled tokens with EOS at
     mixed lengths and top-p, the same log-probs up to the GEMMs' rounding, and greedy rows still
-    Hugging Face's (whose forward reads the views)."""
+    Hugging Face's (whose forward reads the views). Weights replaced after the join (here by
+    `.to()`) make generate refuse the model until it is joined again."""
     model = lively(tiny_model(family))
     eos = eos_for_mixed_lengths(generate(model, PROMPTS, 16, temperature=0).response_ids)
 
@@ -384,6 +385,14 @@ def test_fused_projections_sample_as_the_separate_ones(family, static):
     greedy = generate(model, PROMPTS, 16, temperature=0, static=static)
     for row, prompt in enumerate(PROMPTS):
         assert greedy.response_ids[row] == hf_greedy(model, prompt, 16)
+    # weights replaced after the join would leave it stale: generate refuses, until joined again
+    model.to(torch.float64)
+    with pytest.raises(ValueError, match="fuse them again"):
+        generate(model, PROMPTS, 4, temperature=0, static=static)
+    rollout.unfuse_projections(model)
+    fuse_projections(model)
+    assert generate(model, PROMPTS, 4, temperature=0, static=static).response_ids == \
+        [row[:4] for row in greedy.response_ids]
 
 
 def test_bad_input_raises():

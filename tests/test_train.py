@@ -684,14 +684,14 @@ def test_bf16_gradient_pass_takes_its_values_from_the_fp32_pass(tiny, tmp_path):
 def test_sampler_shares_fp32_weights_and_keeps_fp32_buffers(tiny, tmp_path):
     """fp32: the policy itself samples (no second copy). bf16: a bf16 copy of the weights whose
     buffers (the rotary frequencies) stay fp32 and equal the policy's, so the sampler's positions
-    are the trainer's. On a GPU (here: runtime.JOINED_PROJECTIONS_ON with the CPU in it) its
+    are the trainer's. On a GPU (here: runtime.FUSED_PROJECTIONS_ON with the CPU in it) its
     projections are joined again from the weights of each refresh; on a CPU they stay apart."""
     run = train(flags(tiny, tmp_path / "fp32", "--steps", "1", "--place", "none"))
     assert run["sampler"] is run["policy"]
     bf16 = ("--steps", "1", "--place", "none", "--dtype", "bfloat16")
     run = train(flags(tiny, tmp_path / "bf16-cpu", *bf16))
     assert not any(hasattr(module, "fused") for module in run["sampler"].modules())
-    run = train(flags(tiny, tmp_path / "bf16", *bf16), runtime__JOINED_PROJECTIONS_ON=("cpu",))
+    run = train(flags(tiny, tmp_path / "bf16", *bf16), runtime__FUSED_PROJECTIONS_ON=("cpu",))
     sampler, policy = run["sampler"], run["policy"]
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in sampler.parameters())
     buffers = dict(policy.named_buffers())
@@ -708,6 +708,12 @@ def test_sampler_shares_fp32_weights_and_keeps_fp32_buffers(tiny, tmp_path):
             assert torch.equal(weight, torch.cat([getattr(module, name).weight for name in names]))
             assert {getattr(module, name).weight.untyped_storage().data_ptr() for name in names} \
                 == {weight.untyped_storage().data_ptr()}
+    # released for the training pass: no weight, joined or not, holds memory
+    import runtime
+
+    runtime.release_sampler(sampler, policy)
+    assert not any(hasattr(module, "fused") for module in sampler.modules())
+    assert all(p.untyped_storage().nbytes() == 0 for p in sampler.parameters())
 
 
 def test_runs_never_mix(tiny, tmp_path, monkeypatch):

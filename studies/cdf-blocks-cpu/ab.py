@@ -1,5 +1,5 @@
-"""The default run's sampling on a CPU with rollout.inverse_cdf (block sums, then a cumsum inside one
-block) against one float64 cumsum over the vocabulary (rollout.py at 96575b5), alternated, one
+"""The default run's sampling on a CPU with rollout.inverse_cdf (block sums, then a cumsum inside
+one block) against one float64 cumsum over the vocabulary (rollout.py at 96575b5), alternated, one
 thread: the same tokens, and useful tokens per CPU second.
 `OMP_NUM_THREADS=1 python studies/cdf-blocks-cpu/ab.py > studies/cdf-blocks-cpu/output.txt`
 (arith's first 8 training prompts x 4, 40 new tokens, temperature 1, the compaction loop; SmolLM2,

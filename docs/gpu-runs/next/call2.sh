@@ -13,9 +13,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site
 T0=$SECONDS
 # 1. the workspaces: the GPU test, then the plan against the measured peaks
-timeout 45 python3 -m pytest -q -m gpu tests/test_gpu.py -k second_generate 2>&1 | tail -3 \
+timeout 40 python3 -m pytest -q -m gpu tests/test_gpu.py -k second_generate 2>&1 | tail -3 \
     | tee $OUT/memory_plan.log
-python3 -c "
+timeout 30 python3 -c "
 import transformers as t
 config = t.AutoConfig.from_pretrained('.gpu/w/smollm2')
 t.AutoModelForCausalLM.from_config(config).save_pretrained('/tmp/smollm2-random')" \

@@ -29,9 +29,10 @@ The exact variant:
   p included: Hugging Face's TopPLogitsWarper rule) and renormalizes. The returned log-prob of
   each token is under exactly that distribution, log softmax(z / tau) renormalized over the
   nucleus: log pi_theta_old(o_t | x, o_<t) of eq. (4). temperature=0 is greedy, a point mass, so
-  its log-probs are 0 (= log 1). Tokens are drawn by inverse CDF with one uniform per (row, step)
-  taken from `generator` up front, so a row's sample depends on the seed and its row index only,
-  not on when the other rows finish.
+  its log-probs are 0 (= log 1). Tokens are drawn by inverse CDF (float64 sums; over a large
+  vocabulary by blocks, inverse_cdf) with one uniform per (row, step) taken from `generator` up
+  front, so a row's sample depends on the seed and its row index only, not on when the other rows
+  finish.
 - Attention: `flash_attn_with_kvcache` where `flash_choice(device, dtype)` says so (CUDA, fp16 or
   bf16, compute capability 8.0 or higher, flash-attn importable): it reads each row's own
   `cache_seqlens` slots, with no host sync, so it serves both loops as it is. PyTorch's
@@ -338,11 +339,13 @@ def inverse_cdf(probs, uniform):
         total = cdf[:, -1:]
         return (torch.searchsorted(cdf, uniform[:, None] * total, right=True).clamp(max=V - 1),
                 total)
+    # whole blocks (the padding's zero mass is never drawn), and the CDF at each block's end
     blocks = F.pad(probs, (0, -V % CDF_BLOCK)).view(n, -1, CDF_BLOCK)
     block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # (n, blocks)
     total = block_cdf[:, -1:]
     target = uniform[:, None] * total
     block = torch.searchsorted(block_cdf, target, right=True).clamp(max=block_cdf.shape[1] - 1)
+    # the mass of the blocks before it, and its own tokens
     mass_before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp(min=0)), 0)
     inside = blocks.gather(1, block[:, :, None].expand(n, 1, CDF_BLOCK))[:, 0]  # (n, CDF_BLOCK)
     index = torch.searchsorted(inside.cumsum(-1, dtype=torch.float64), target - mass_before,

@@ -45,7 +45,7 @@ The exact variant:
   a CPU against a pure-PyTorch stand-in of the kernel (tests/test_cuda_paths.py), on a GPU by
   tests/test_gpu.py and lab/gpu_check.py.
 - Projections: on a GPU, where train.py samples from a bf16 copy of the policy
-  (runtime.make_sampler), each layer's q/k/v and gate/up weights are joined into one GEMM each
+  (runtime.make_sampler), each layer's q/k/v and gate/up weights are fused into one GEMM each
   (fuse_projections; the separate weights become views into them, so Hugging Face's forward still
   reads them); forward runs either kind.
 """
@@ -184,16 +184,16 @@ def fuse_projections(model):
     decode step then runs 4 GEMMs a layer, not 7 (vLLM's QKVParallelLinear and
     MergedColumnParallelLinear, gpt-fast's wqkv). At batch 256 of Qwen2.5-7B on an H200, k_proj's
     and v_proj's own GEMMs ran at a tenth of the card's bandwidth (docs/benchmarks.md). Weights
-    replaced afterwards (`.to()`, a load) leave the joined ones stale: fuse again (as
-    runtime.refresh_sampler does); generate refuses a model whose joined weights are stale."""
+    replaced afterwards (`.to()`, a load) leave the fused ones stale: fuse again (as
+    runtime.refresh_sampler does); generate refuses a model whose fused weights are stale."""
     for layer in model.model.layers:
         fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
         fuse(layer.mlp, ("gate_proj", "up_proj"))
 
 
 def unfuse_projections(model):
-    """Drop fuse_projections' joined weights: forward runs each projection on its own again (the
-    weights stay views of the joined ones, and keep them alive, until they are replaced)."""
+    """Drop fuse_projections' fused weights: forward runs each projection on its own again (the
+    weights stay views of the fused ones, and keep them alive, until they are replaced)."""
     for module in model.modules():
         vars(module).pop("fused", None)
 
@@ -214,7 +214,7 @@ def fuse(module, names):
 
 
 def projections(module, names, h):
-    """module's linear layers `names` applied to h: one GEMM where fuse_projections joined them,
+    """module's linear layers `names` applied to h: one GEMM where fuse_projections fused them,
     else one each."""
     if hasattr(module, "fused"):
         weight, bias, sizes = module.fused
@@ -224,7 +224,7 @@ def projections(module, names, h):
 
 def mlp(module, h):
     """The three families' MLP, down(act(gate(h)) * up(h)), gate and up from one GEMM where they are
-    joined; the product in place and its factors freed before down runs, so it holds no more memory
+    fused; the product in place and its factors freed before down runs, so it holds no more memory
     than Hugging Face's own."""
     gate, up = projections(module, ("gate_proj", "up_proj"), h)
     hidden = module.act_fn(gate).mul_(up)

@@ -65,9 +65,9 @@ def compute_dtype(name, device):
 CUDA_LOGPROB_DTYPE = "bf16x6"
 
 
-# where the sampler's own copy joins its q/k/v and gate/up projections (rollout.fuse_projections): a
+# where the sampler's own copy fuses its q/k/v and gate/up projections (rollout.fuse_projections): a
 # GPU, where k_proj's and v_proj's GEMMs ran at a tenth of the card's bandwidth (the rule that keeps
-# it is registered in docs/benchmarks.md); not a CPU, where joined was no faster (studies/fused-cpu)
+# it is registered in docs/benchmarks.md); not a CPU, where fused was no faster (studies/fused-cpu)
 FUSED_PROJECTIONS_ON = ("cuda",)
 
 
@@ -214,7 +214,7 @@ def make_sampler(policy, device, dtype, fsdp):
     made without a second fp32 copy (each weight is cast as it is copied). Buffers keep their dtype:
     the rotary frequencies rounded to bf16 would turn every position's angle (a 0.2% error in a
     frequency is 0.3 radians at position 200). In fp32, without FSDP, the policy itself is the
-    sampler. On a GPU the copy's q/k/v and gate/up weights are joined (rollout.fuse_projections: 4
+    sampler. On a GPU the copy's q/k/v and gate/up weights are fused (rollout.fuse_projections: 4
     GEMMs a layer, not 7; FUSED_PROJECTIONS_ON); the policy's, which the optimizer updates,
     never."""
     if dtype == torch.float32 and not fsdp:
@@ -233,7 +233,7 @@ def release_sampler(sampler, policy):
     if sampler is not unwrap(policy):
         for param in sampler.parameters():
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-        rollout.unfuse_projections(sampler)  # the joined weights they were views of
+        rollout.unfuse_projections(sampler)  # the fused weights they were views of
 
 
 @torch.no_grad()
@@ -243,10 +243,10 @@ def refresh_sampler(sampler, policy):
     if sampler is unwrap(policy):
         return
     weights = dict(unwrap(policy).named_parameters())
-    rollout.unfuse_projections(sampler)  # a layer's old joined weights go as its views are replaced
+    rollout.unfuse_projections(sampler)  # a layer's old fused weights go as its views are replaced
     for name, param in sampler.named_parameters():
         weight = weights[name]
         weight = weight.full_tensor() if isinstance(weight, DTensor) else weight
         param.data = weight.detach().to(param.dtype, copy=True)
     if next(sampler.parameters()).device.type in FUSED_PROJECTIONS_ON:
-        rollout.fuse_projections(sampler)  # joined again from the new weights
+        rollout.fuse_projections(sampler)  # fused again from the new weights

@@ -22,7 +22,8 @@ as a 3-D tensor (its math kernels): a no-grad pass took 0.87 of the block mask's
 segments took 1.003 of the block mask's time, 1.096 in 3-D (studies/segments-cpu); not yet on a GPU.
 train.py keeps the block mask in every pass for now: the values of the KL in the reward (no-grad
 passes) and in the loss (the gradient pass, whose own values it uses where the two passes share a
-dtype) come from one computation, and the gradient pass was slower by segments.
+dtype) come from one computation, and the gradient pass was slower by segments. The rule that
+decides at the next GPU measurement, and its prediction, are registered in docs/benchmarks.md.
 `attention(model)` makes segment_attention `model`'s attention function inside a `with` (a
 transformers attention function: the model's forward passes its `segments` keyword down to it).
 """

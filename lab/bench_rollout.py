@@ -11,16 +11,16 @@ on an H100 (`--budget`): `python -m lab.bench_rollout --decode --out decode.json
 (its own weights when installed) and random-weight models in the shapes of Qwen2.5-1.5B and
 Qwen2.5-7B, at batch 64 and 256, bf16: ms per decode step with EOS off, (t(N2) - t(N1)) / (N2 - N1)
 of whole generate calls, median of 3 repeats with the samplers alternating: ours graphed (the
-fixed-shape step replayed as a CUDA graph, with the projections joined as train.py's sampler has
+fixed-shape step replayed as a CUDA graph, with the projections fused as train.py's sampler has
 them: rollout.fuse_projections), ours unfused (the same, a GEMM per projection), ours compiled (the
 same, the step compiled by torch.compile before the capture; SmolLM2 at batch 64 only), ours eager
 (the same step launched op by op), ours compaction (the CPU's loop), model.generate eager and with
 its static cache + torch.compile (SmolLM2 at batch 64 only: a compile per shape); beside each, the
 HBM floor, (weights + live KV bytes read per step) / the card's measured read bandwidth, and the
 fraction of it reached. Then useful tokens/s, greedy, EOS on, SmolLM2 (the same work for every
-sampler); and the fixed-shape
-loop under torch.cuda.set_sync_debug_mode("error"). `--profile MODEL:BATCH`: where a step's time
-goes, each kernel's time a step from torch.profiler (ours graphed and eager; a CPU's ops on a CPU).
+sampler); and the fixed-shape loop under torch.cuda.set_sync_debug_mode("error"). `--profile
+MODEL:BATCH`: where a step's time goes, each kernel's time a step from torch.profiler (ours graphed
+and eager; a CPU's ops on a CPU).
 The JSON is rewritten after each measurement, so a timeout keeps what finished. `--allow-cpu` runs
 it on a CPU, at tiny shapes unless --models says otherwise (fp32 where bf16 is emulated; wall and
 process CPU seconds; the sync check counts with a TorchDispatchMode instead).
@@ -271,7 +271,7 @@ def decode_model(name, dtype):
 
 def as_sampler(model):
     """The model as train.py samples from it: on a GPU, where the sampler is a bf16 copy, its
-    projections joined (runtime.make_sampler)."""
+    projections fused (runtime.make_sampler)."""
     bf16_copy = next(model.parameters()).dtype != torch.float32
     if bf16_copy and DEVICE.type in runtime.FUSED_PROJECTIONS_ON:
         fuse_projections(model)
@@ -311,15 +311,15 @@ def decode_samplers(model, name, prompts, eos=None, temperature=1.0, compiled=Fa
 
     def ours(static, graphs=True, compiled_step=False, fused=True):
         def run(n, seed):
-            hidden = [] if fused else [(module, vars(module).pop("fused")) for module
-                                       in model.modules() if "fused" in vars(module)]
+            saved = [] if fused else [(module, vars(module).pop("fused")) for module
+                                      in model.modules() if "fused" in vars(module)]
             try:
                 return generate(model, prompts, n, temperature=temperature, eos_token_id=eos,
                                 static=static, cuda_graphs=graphs, compiled=compiled_step,
                                 generator=torch.Generator(DEVICE).manual_seed(seed))
             finally:
-                for module, joined in hidden:
-                    module.fused = joined
+                for module, weights in saved:  # fused again
+                    module.fused = weights
         return run
 
     def hf(**extra):

@@ -244,7 +244,7 @@ def traced_sampling(config, dtype, rows, distinct, prompt_tokens, max_new_tokens
     of the call's `distinct` prompts (its next-token logits included), and rollout.static_step (the
     fixed-shape step over all `rows` at the longest span, sampling included), beside a KV cache of
     `rows` x (prompt_tokens + max_new_tokens) slots that is not counted here; `fused`: the
-    projections joined, as runtime.make_sampler's copy has them."""
+    projections fused, as runtime.make_sampler's copy has them."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = fake_model(config, dtype)
         if fused:
@@ -343,9 +343,9 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
         call_rows = max(1, min(rows, int(runtime.KV_SHARE * free // kv_row)))
     # a call's rows are whole groups of --group-size, but for one split by the call's end
     distinct = min(-(-call_rows // flags.group_size) + 1, call_rows)
-    joined = sampler > 0 and device in runtime.FUSED_PROJECTIONS_ON  # as make_sampler does
+    fused = sampler > 0 and device in runtime.FUSED_PROJECTIONS_ON  # as make_sampler does
     prefill, decode = traced_sampling(config, dtype, call_rows, distinct, prompt_tokens,
-                                      flags.max_new_tokens, fused=joined)
+                                      flags.max_new_tokens, fused)
     prompts = [[g] * prompt_tokens for g in range(rows // flags.group_size + 1)
                for _ in range(flags.group_size)][:rows]
     sizes = train.micro_batch_sizes(prompts, flags.micro_batch)

@@ -110,3 +110,29 @@ for phase, parts in plan["table"].items():
     planned, measured = sum(parts.values()), plan["measured"][phase]
     print(f"  {phase:15s} plan {planned / 1e9:.2f}, measured {measured / 1e9:.2f}, "
           f"+{(measured - planned) / 1e9:.2f} ({measured / planned - 1:+.1%})")
+
+print("\n== derived since (2026-11-28, second session; docs/gpu.md, docs/benchmarks.md, rollout.py)")
+MiB = 2**20
+workspace = 33 * MiB  # 32 MiB cuBLAS on sm90 + 1 MiB cuBLASLt (lab/memory_plan.CUBLAS_WORKSPACE)
+offsets = [plan["measured"][phase] - sum(parts.values()) for phase, parts in plan["table"].items()]
+print(f"  offsets {min(offsets) / 1e9:.3f} to {max(offsets) / 1e9:.3f} GB; 13 workspaces "
+      f"{13 * workspace / 1e9:.2f} GB, 32 side streams {32 * workspace / 1e9:.2f} GB, "
+      f"3 kept {3 * workspace / 1e9:.2f} GB")
+bandwidth = load("decode_7b.json")["read_bandwidth_GBps"] * 1e9
+kernels = {k["kernel"]: k for k in profile["kernels"]}
+for label, prefix, rows in (("k_proj and v_proj", "nvjet_sm90_tst_64x24", 512),
+                            ("q_proj", "nvjet_sm90_tst_112x64", 3584),
+                            ("o_proj", "nvjet_sm90_tst_128x64", 3584)):
+    kernel = next(k for name, k in kernels.items() if name.startswith(prefix))
+    seconds = kernel["ms_per_step"] / kernel["calls_per_step"] / 1e3
+    weight = rows * 3584 * 2
+    print(f"  {label}: {kernel['calls_per_step']:.0f} calls, {kernel['ms_per_step']:.3f} ms, "
+          f"{seconds * 1e6:.2f} us a call, {weight / 1e6:.2f} MB at {weight / seconds / 1e12:.2f} TB/s "
+          f"= {weight / seconds / bandwidth:.1%} of {bandwidth / 1e12:.2f} TB/s")
+once = [k for k in profile["kernels"] if k["calls_per_step"] < 28
+        and not ("nvjet" in k["kernel"] or "cublas" in k["kernel"])]
+float64 = sum(k["ms_per_step"] for k in once if "scan" in k["kernel"]
+              or ("direct_copy" in k["kernel"] and "(double)" in k["kernel"]))
+divide = sum(k["ms_per_step"] for k in once if "BUnaryFunctor<float, float, float" in k["kernel"])
+print(f"  once a step: {sum(k['ms_per_step'] for k in once):.2f} ms; the float64 copy and scan "
+      f"{float64:.2f} ms; the division by the temperature {divide:.3f} ms")

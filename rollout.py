@@ -1,9 +1,11 @@
 """Our own batched sampler with a preallocated KV cache: rollouts y_1:T ~ pi_theta(.|x) of Sec. 2.
 
 RL spends most of its time here. We reuse the Hugging Face model's own modules and weights
-(embeddings, RMSNorms, q/k/v/o projections with their biases, Qwen3's q/k norms, rotary embedding
-with its rope scaling, MLP, tied or untied lm_head) and write only the attention and the cache
-ourselves, for the Llama, Qwen2 and Qwen3 families.
+(embeddings, q/k/v/o projections with their biases, rotary embedding with its rope scaling, MLP,
+tied or untied lm_head; the RMSNorms' weights and epsilons, Qwen3's q/k norms too) and write only
+the attention, the cache, and the RMSNorm and rope formulas (in fewer kernels; on a CPU the
+modules' numbers bit for bit, on CUDA the fused norm sums in its own order) ourselves, for the
+Llama, Qwen2 and Qwen3 families.
 
 The exact variant:
 - Cache: one tensor per K and V of shape (layers, rows, max_len, kv_heads, head_dim), the layout of
@@ -48,11 +50,14 @@ The exact variant:
   (runtime.make_sampler), each layer's q/k/v and gate/up weights are fused into one GEMM each
   (fuse_projections; the separate weights become views into them, so Hugging Face's forward still
   reads them); forward runs either kind.
+- Norms and rope: the modules' own formulas in fewer kernels, for a GPU step whose small kernels
+  cost more than their work: RMSNorm through F.rms_norm (one fused kernel on CUDA where the module
+  runs seven; the module's own ops on a CPU), rope with its sign folded into sin, and on q and k
+  as one tensor where the projections are fused (rms_norm, rope, attention_inputs).
 """
 import functools
 import importlib.util
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -232,6 +237,50 @@ def mlp(module, h):
     return module.down_proj(hidden)
 
 
+def rms_norm(norm, x):
+    """Hugging Face's RMSNorm module `norm` applied to x, the three families' formula with its
+    normalizing in one F.rms_norm call: on CUDA one fused kernel (_fused_rms_norm) where the module
+    runs seven (to fp32, pow, mean, add, rsqrt, mul, back to x's dtype), 1.6 ms of a 12.2 ms step
+    at batch 256 of Qwen2.5-7B on an H200 (docs/benchmarks.md); on a CPU the module's own ops."""
+    # x / sqrt(mean(x^2) + eps) in fp32, rounded to x's dtype, then times the weight
+    return norm.weight * F.rms_norm(x, x.shape[-1:], eps=norm.variance_epsilon)
+
+
+def signed_sin(sin):
+    """(-sin1, sin2) from sin = (sin1, sin2) (..., head_dim): rope's sign, folded in once a step."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rope(x, cos, sin):
+    """Hugging Face's apply_rotary_pos_emb on one tensor x (n, L, heads, head_dim), cos and sin
+    (n, L, 1, head_dim) with sin from signed_sin: rotate_half(x) sin = (x2, x1) (-sin1, sin2), the
+    same numbers ((-a) b = a (-b) exactly), one kernel (the negation) less."""
+    half = x.shape[-1] // 2
+    # rope: x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1); in place, two of x's size live
+    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(sin)
+    return (x * cos).add_(rotated)
+
+
+def attention_inputs(attn, h, n, L, cos, sin):
+    """The layer's q (n, L, heads, head_dim), k and v (n, L, kv_heads, head_dim) from the normed
+    hidden states h (n * L, hidden): Qwen3's per-head norms and rope applied. Where
+    fuse_projections joined q, k and v (and no per-head norm comes between), q and k lie side by
+    side in the one GEMM's output and take rope as one tensor: half the rope kernels."""
+    head_dim = attn.head_dim
+    if hasattr(attn, "fused") and not hasattr(attn, "q_norm"):
+        weight, bias, sizes = attn.fused
+        qkv = F.linear(h, weight, bias).view(n, L, -1, head_dim)
+        num_q, num_qk = sizes[0] // head_dim, (sizes[0] + sizes[1]) // head_dim
+        qk = rope(qkv[:, :, :num_qk], cos, sin)
+        return qk[:, :, :num_q], qk[:, :, num_q:], qkv[:, :, num_qk:]
+    q, k, v = (t.view(n, L, -1, head_dim)
+               for t in projections(attn, ("q_proj", "k_proj", "v_proj"), h))
+    if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm on each head before rope
+        q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
+    return rope(q, cos, sin), rope(k, cos, sin), v
+
+
 def forward(model, input_ids, cache, span=None):
     """Run the decoder on input_ids (n, L) for cache rows 0..n-1, appending their K/V after
     seqlens[:n]. Returns the final hidden states (n, L, hidden). SDPA reads, with span None, each
@@ -249,18 +298,13 @@ def forward(model, input_ids, cache, span=None):
                        for rows in row_buckets(n)]
         else:
             bias = causal_bias(positions, span, groups, cache.k.dtype)
-    apply_rotary_pos_emb = sys.modules[type(model).__module__].apply_rotary_pos_emb
 
     x = base.embed_tokens(input_ids).flatten(0, 1)  # (n * L, hidden): 2-D matmuls, fewer ops
     cos, sin = base.rotary_emb(x, positions)  # the model's own rope, scaling included
+    cos, sin = cos[:, :, None], signed_sin(sin)[:, :, None]  # (n, L, 1, head_dim): over the heads
     for i, layer in enumerate(base.layers):
         attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        q, k, v = (t.view(n, L, -1, attn.head_dim)
-                   for t in projections(attn, ("q_proj", "k_proj", "v_proj"), h))
-        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm on each head before rope
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+        q, k, v = attention_inputs(attn, rms_norm(layer.input_layernorm, x), n, L, cos, sin)
         if cache.flash:
             out = flash_attention(q, k, v, cache.k[i, :n], cache.v[i, :n], start, attn.scaling)
         elif span is not None:
@@ -270,9 +314,9 @@ def forward(model, input_ids, cache, span=None):
                                             cache.v[i, rows], positions[rows], bias, attn.scaling)
                              for rows, bias in buckets])
         x = x + attn.o_proj(out.reshape(n * L, -1))
-        x = x + mlp(layer.mlp, layer.post_attention_layernorm(x))
+        x = x + mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, x))
     cache.seqlens[:n] += L
-    return base.norm(x).view(n, L, -1)
+    return rms_norm(base.norm, x).view(n, L, -1)
 
 
 def prefill(model, prompts, cache):
@@ -421,7 +465,7 @@ def static_step(model, cache, state, span, decode_fn=decode):
 @functools.cache
 def compiled_step(backend="inductor"):
     """static_step with its model part (decode) compiled by torch.compile (Inductor on CUDA; the
-    tests trace it with another backend): its ~37 ops a layer fused into fewer kernels, gpt-fast's
+    tests trace it with another backend): its ~36 ops a layer fused into fewer kernels, gpt-fast's
     recipe for a step whose kernels each cost more than their work (a graphed SmolLM2 step: ~4 ms
     for ~0.1 ms of memory traffic, docs/benchmarks.md). Sampling stays eager: Inductor's split scan
     fails to compile the top-p/inverse-CDF cumsum fused with the softmax before it (pytorch#180221,

@@ -36,7 +36,8 @@ Per rank, in each phase of a step (GB = 1e9 bytes); the phase's peak is its sum:
 Each transient (a prefill bucket, a decode step, the two passes) is traced from rollout's and
 train.token_logprobs' own code on fake tensors (FakeTensorMode: shapes, no data), counting the
 bytes of every storage alive after each op: the micro-batch is the largest that micro_batch_sizes
-makes of the longest prompts with responses at full length. A CUDA kernel's own workspace is not an
+makes of the longest prompts with responses at full length (on CUDA the sampler's norms as their
+fused kernel allocates: rollout.rms_norm). A CUDA kernel's own workspace is not an
 op and is not in the trace (docs/gpu.md compares the trace with the peaks an H200 measured); on
 CUDA, cuBLAS's workspaces are resident: one for each thread and stream that runs a GEMM, kept to the
 end.
@@ -231,6 +232,18 @@ def cuda_gemm():
         split_matmul.mm_fp32 = gemm
 
 
+@contextlib.contextmanager
+def cuda_rms_norm():
+    """F.rms_norm as CUDA allocates it (aten._fused_rms_norm, one kernel: rollout.rms_norm): its
+    output in x's dtype; a CPU's composite makes fp32 copies of x first."""
+    rms_norm = torch.nn.functional.rms_norm
+    torch.nn.functional.rms_norm = lambda x, *args, **kwargs: torch.empty_like(x)
+    try:
+        yield
+    finally:
+        torch.nn.functional.rms_norm = rms_norm
+
+
 def traced(run):
     """The peak bytes of the storages run() creates, on fake tensors."""
     tracker = LiveBytes()
@@ -239,13 +252,15 @@ def traced(run):
     return tracker.peak
 
 
-def traced_sampling(config, dtype, rows, distinct, prompt_tokens, max_new_tokens, fused):
+def traced_sampling(config, dtype, rows, distinct, prompt_tokens, max_new_tokens, fused, cuda):
     """(prefill bucket, decode step) transient peaks, bytes: rollout.forward over one prefill bucket
     of the call's `distinct` prompts (its next-token logits included), and rollout.static_step (the
     fixed-shape step over all `rows` at the longest span, sampling included), beside a KV cache of
     `rows` x (prompt_tokens + max_new_tokens) slots that is not counted here; `fused`: the
-    projections fused, as runtime.make_sampler's copy has them."""
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    projections fused, as runtime.make_sampler's copy has them; `cuda`: the norms as CUDA's fused
+    kernel allocates them."""
+    norms = cuda_rms_norm() if cuda else contextlib.nullcontext()
+    with FakeTensorMode(allow_non_fake_inputs=True), norms:
         model = fake_model(config, dtype)
         if fused:
             rollout.fuse_projections(model)
@@ -345,7 +360,7 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
     distinct = min(-(-call_rows // flags.group_size) + 1, call_rows)
     fused = sampler > 0 and device in runtime.FUSED_PROJECTIONS_ON  # as make_sampler does
     prefill, decode = traced_sampling(config, dtype, call_rows, distinct, prompt_tokens,
-                                      flags.max_new_tokens, fused)
+                                      flags.max_new_tokens, fused, device == "cuda")
     prompts = [[g] * prompt_tokens for g in range(rows // flags.group_size + 1)
                for _ in range(flags.group_size)][:rows]
     sizes = train.micro_batch_sizes(prompts, flags.micro_batch)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import rollout
 import runtime
@@ -135,6 +136,27 @@ def test_the_fixed_shape_loop_never_syncs(graphs):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert int(state.step) == 20 and state.lengths.eq(20).all()
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
+def test_a_step_normalizes_with_the_fused_kernel(family):
+    """On CUDA a bf16 decode step's norms run PyTorch's fused RMSNorm kernel (aten._fused_rms_norm,
+    once for each of the model's norms), none of the modules' own seven (no mean); that the tokens
+    stay the model's, the greedy tests above check."""
+    model = tiny_model(family).cuda().bfloat16()
+    cache = cache_for(model, 3, 16, flash=False)
+    tokens = rollout.prefill(model, [[5, 9, 2], [3, 4], [8]], cache).argmax(-1)
+    ops = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+    with Ops():
+        rollout.decode(model, tokens, cache, span=16)
+    layers = model.config.num_hidden_layers
+    norms = 2 * layers + 1 + (2 * layers if family == "qwen3" else 0)
+    assert ops.count("_fused_rms_norm") == norms and "mean" not in ops
 
 
 def test_a_second_generate_holds_no_more_memory_than_the_first_left(monkeypatch):

@@ -256,6 +256,72 @@ def test_inverse_cdf_in_blocks_picks_what_one_cumsum_picks(vocab):
     assert (last_block.gather(-1, tokens) > 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_norms_and_rope_are_hugging_faces_own(family, dtype):
+    """rollout.rms_norm and rollout.rope (the step's fewer-kernel forms) give the numbers of the
+    family's own RMSNorm modules (the layers', the final one, Qwen3's per-head q/k norms) and of its
+    apply_rotary_pos_emb, bit for bit, in fp32 and in bf16: on q and k apart and on q|k as one
+    strided view of a joined projection's output, as forward runs it where fuse_projections joined
+    them."""
+    model = tiny_model(family).to(dtype)
+    config, layer = model.config, model.model.layers[0]
+    generator = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(2, 5, config.hidden_size, generator=generator)).to(dtype)
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm, model.model.norm):
+        assert torch.equal(rollout.rms_norm(norm, x), norm(x))
+    heads, kv_heads, head_dim = (config.num_attention_heads, config.num_key_value_heads,
+                                 layer.self_attn.head_dim)
+    qkv = torch.randn(2, 5, heads + 2 * kv_heads, head_dim, generator=generator).to(dtype)
+    q, k = qkv[:, :, :heads], qkv[:, :, heads:heads + kv_heads]
+    if family == "qwen3":
+        assert torch.equal(rollout.rms_norm(layer.self_attn.q_norm, q), layer.self_attn.q_norm(q))
+    positions = torch.tensor([[0, 1, 2, 3, 4], [7, 30, 31, 90, 200]])  # llama3's scaled range too
+    cos, sin = model.model.rotary_emb(x, positions)
+    theirs = sys.modules[type(model).__module__].apply_rotary_pos_emb(q, k, cos, sin,
+                                                                      unsqueeze_dim=2)
+    cos, sin = cos[:, :, None], rollout.signed_sin(sin)[:, :, None]
+    assert torch.equal(rollout.rope(q, cos, sin), theirs[0])
+    assert torch.equal(rollout.rope(k, cos, sin), theirs[1])
+    joined = rollout.rope(qkv[:, :, :heads + kv_heads], cos, sin)
+    assert torch.equal(joined, torch.cat(theirs, dim=2))
+
+
+class Calls(torch.overrides.TorchFunctionMode):
+    """Counts the torch functions and tensor methods called inside it, by name."""
+    def __init__(self):
+        super().__init__()
+        self.count = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        self.count[name] = self.count.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_step_norms_with_rms_norm_and_ropes_q_and_k_together_when_fused(family, fused):
+    """A decode step normalizes through F.rms_norm, once for each of the model's norms (on CUDA one
+    fused kernel each, where the modules' own forward runs seven: never the modules' pow), and where
+    fuse_projections joined q, k and v (and no per-head norm comes between: not Qwen3) rotates q and
+    k as one tensor: one rope a layer, its one torch.cat, instead of two."""
+    model = tiny_model(family)
+    if fused:
+        fuse_projections(model)
+    cache = cache_for(model, 3, 16, flash=False)
+    logits = rollout.prefill(model, [[5, 9, 2], [3, 4], [8]], cache)
+    with Calls() as calls:
+        rollout.decode(model, logits.argmax(-1), cache, span=16)
+    layers = model.config.num_hidden_layers
+    per_head = 2 * layers if family == "qwen3" else 0
+    assert calls.count.get("rms_norm") == 2 * layers + 1 + per_head
+    assert "pow" not in calls.count
+    ropes = layers if fused and family != "qwen3" else 2 * layers
+    # and two once a step: the rotary embedding's own (cos, sin) and signed_sin's
+    assert calls.count.get("cat") == ropes + 2
+
+
 def test_samples_follow_the_reported_distribution():
     """4000 first tokens of one prompt: empirical frequencies vs the nucleus distribution
     (seeded)."""

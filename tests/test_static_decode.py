@@ -292,8 +292,8 @@ def smollm2_layout():
 def test_a_step_runs_no_more_ops_than_hf_generate(family, temperature, top_p):
     """Aten ops that are not views, per decode step: ours (one fixed-shape step) against Hugging
     Face's generate on the same model and rows (its per step: the ops of 6 new tokens minus those
-    of 4, over 2), sampling alike (EOS on, top_k off). Seen on SmolLM2's layout: ours 1,149 greedy,
-    1,164 at top-p 0.8; Hugging Face's 1,323 and 1,344."""
+    of 4, over 2), sampling alike (EOS on, top_k off). Seen on SmolLM2's layout: ours 1,091 greedy,
+    1,105 at top-p 0.8; Hugging Face's 1,323 and 1,344."""
     model = smollm2_layout() if family == "smollm2-layout" else tiny_model(family)
     prompts = [[5, 6, 7, 8 + row] for row in range(4)]
     cache, state, span = started(model, prompts, 8, eos=[VOCAB - 1], temperature=temperature,

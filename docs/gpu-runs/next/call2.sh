@@ -1,6 +1,7 @@
 #!/bin/bash
 # The next GPU slot, call 2 of 2 (issue 35). First the registered check of docs/gpu.md's cuBLAS
-# workspaces (2026-11-28): the GPU test that a second generate holds no more memory, then the memory
+# workspaces (2026-11-28): the GPU test that a second generate holds no more memory (and that the
+# step's norms run the fused RMSNorm kernel, registered in docs/benchmarks.md), then the memory
 # plan beside train.py's CUDA peaks, the run of 33b65db again (its flags, its prompts, fp32 no-grad
 # passes) on random weights of SmolLM2's shape (the embedded model's config and tokenizer, carried
 # in .gpu/w/smollm2). Then one training step's phases at the 1.5B and 0.5B shapes as train.py now runs
@@ -13,7 +14,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site
 T0=$SECONDS
 # 1. the workspaces: the GPU test, then the plan against the measured peaks
-timeout 40 python3 -m pytest -q -m gpu tests/test_gpu.py -k second_generate 2>&1 | tail -3 \
+timeout 50 python3 -m pytest -q -m gpu tests/test_gpu.py -k "second_generate or fused_kernel" 2>&1 | tail -3 \
     | tee $OUT/memory_plan.log
 timeout 30 python3 -c "
 import transformers as t

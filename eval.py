@@ -29,6 +29,8 @@ Sharding: the (problem, sample) pairs are laid out in a fixed order and cut into
 `batch_size` sequences; batch b is sampled with its own generator seeded from (seed, b) and runs on
 rank b % world_size. One process and torchrun with any number of ranks thus run the very same
 generate calls and return the same completions and numbers (which do depend on seed and batch_size).
+On a GPU the model's q/k/v and gate/up weights are joined (rollout.fuse_projections), as train.py's
+sampler has them: one GEMM each a decode step.
 
     python eval.py --model runs/a/final --tasks math500,mmlu-college-physics --samples 32 \
         --out runs/a
@@ -50,7 +52,7 @@ import data
 import runtime
 from reward import extract_boxed
 from model import load_model, load_tokenizer, stop_token_ids
-from rollout import flash_choice, generate
+from rollout import flash_choice, fuse_projections, generate
 
 parser = argparse.ArgumentParser(description="mean@k evaluation of a model on verifiable tasks")
 parser.add_argument("--model", required=True,
@@ -198,6 +200,8 @@ def main(argv=None):
     except (ValueError, OSError, RuntimeError) as error:
         parser.error((str(error) or type(error).__name__).splitlines()[0])
 
+    if device.type in runtime.FUSED_PROJECTIONS_ON:  # one GEMM for q/k/v, one for gate/up
+        fuse_projections(model)
     if device.type == "cuda" and rank == 0:  # what generate will attend with, by its own rule
         print(flash_choice(device, next(model.parameters()).dtype)[1])
     out = Path(args.out)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import eval as evaluation
+import rollout
 
 REPO = Path(__file__).resolve().parents[1]  # the repository
 
@@ -136,6 +137,27 @@ def test_sharded_equals_unsharded(eval_runs):
             == json.loads((sharded / "eval.json").read_text()))
     completions = [json.loads(line)["completion"] for line in (single / "completions.jsonl").open()]
     assert len(set(completions)) == len(completions)  # every sample drew its own random numbers
+
+
+def test_on_a_gpu_eval_samples_with_the_projections_joined(eval_runs, monkeypatch, tmp_path):
+    """Where runtime.FUSED_PROJECTIONS_ON names the device (a GPU; here the CPU, patched), eval.py
+    joins the model's q/k/v and gate/up weights as train.py's sampler does (one GEMM each a step):
+    the same completions and numbers as the separate weights drew."""
+    task, single, _ = eval_runs
+    joined = []
+    monkeypatch.setattr(evaluation.runtime, "FUSED_PROJECTIONS_ON", ("cpu",))
+    monkeypatch.setattr(evaluation, "fuse_projections",
+                        lambda model: joined.append(model) or rollout.fuse_projections(model))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        evaluation.main(["--model", str(single.parent / "model"), "--tasks", str(task),
+                         *EVAL_FLAGS, "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    assert len(joined) == 1 and hasattr(joined[0].model.layers[0].self_attn, "fused")
+    assert (tmp_path / "completions.jsonl").read_text() == (single / "completions.jsonl").read_text()
+    assert (tmp_path / "eval.json").read_text() == (single / "eval.json").read_text()
 
 
 def test_completions_round_trip(eval_runs):

@@ -71,6 +71,12 @@ CUDA_LOGPROB_DTYPE = "bf16x6"
 FUSED_PROJECTIONS_ON = ("cuda",)
 
 
+# where train.py's sampler compiles its fixed-shape decode step unless --compile-sampler says
+# (rollout.compiled_step): nowhere until a GPU has timed it against the graphed step (the rule that
+# decides "cuda" is registered in docs/benchmarks.md); a CPU's compaction loop is never compiled
+COMPILED_SAMPLER_ON = ()
+
+
 # --generate-rows auto: the share of the GPU memory free when a rollout starts that its KV cache may
 # take (the rest: the prefill's activations, the sampling step's logits over the vocabulary)
 KV_SHARE = 0.5

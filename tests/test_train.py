@@ -43,7 +43,7 @@ METRICS = ("step", "reward", "accuracy", "return", "kl_k1", "kl_k3", "loss", "pg
 # ---------------------------------------------------------------- test-only patches
 # (applied outside train.py)
 def row_seeded_generate(generate, model, prompts, max_new_tokens, temperature=1.0, top_p=1.0,
-                        eos_token_id=None, generator=None, max_rows=None):
+                        eos_token_id=None, generator=None, max_rows=None, compiled=False):
     """`generate`, one sequence at a time (whatever max_rows), seeded by (prompt, its index among
     equal prompts)."""
     import rollout
@@ -53,7 +53,7 @@ def row_seeded_generate(generate, model, prompts, max_new_tokens, temperature=1.
         index = seen[tuple(prompt)] = seen.get(tuple(prompt), -1) + 1
         row_generator = torch.Generator().manual_seed(hash((tuple(prompt), index)) % 2**63)
         outs.append(generate(model, [prompt], max_new_tokens, temperature, top_p, eos_token_id,
-                             row_generator))
+                             row_generator, compiled=compiled))
     width = max(out.tokens.shape[1] for out in outs)
     pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]))  # noqa: E731
     return rollout.Rollout(*(torch.cat([pad(getattr(out, name)) for out in outs])
@@ -1012,3 +1012,24 @@ def test_the_evaluation_of_eval_every_follows_generate_rows(tiny, tmp_path):
     train(flags(tiny, tmp_path, "--steps", "1", "--eval-every", "1", "--eval-limit", "5",
                 "--generate-rows", "3", *SGD), eval__generate=recorded)
     assert calls and all(rows == 3 for _, rows in calls) and max(n for n, _ in calls) > 3, calls
+
+
+def test_compile_sampler_reaches_generate_and_resumes_either_way(tiny, tmp_path):
+    """--compile-sampler: each rollout's generate call compiles its fixed-shape step
+    (rollout.compiled_step; a CPU's compaction loop leaves it aside); unset, it is on exactly where
+    runtime.COMPILED_SAMPLER_ON names the device (none yet: off here; named, on). It changes the
+    samples' rounding only, so a checkpoint resumes with it set the other way."""
+    import rollout
+
+    generate, calls = rollout.generate, []
+
+    def recorded(*args, compiled=False, **kwargs):
+        calls.append(compiled)
+        return generate(*args, compiled=compiled, **kwargs)
+    train(flags(tiny, tmp_path / "run", "--steps", "1", "--save-every", "1"),
+          rollout__generate=recorded)
+    train(flags(tiny, tmp_path / "run", "--steps", "2", "--compile-sampler", "--resume"),
+          rollout__generate=recorded)
+    train(flags(tiny, tmp_path / "auto", "--steps", "1"), rollout__generate=recorded,
+          runtime__COMPILED_SAMPLER_ON=("cpu",))
+    assert calls == [False, True, True]

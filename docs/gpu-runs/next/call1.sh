@@ -5,7 +5,8 @@
 # and the graphed step with its projections joined (rollout.fuse_projections, as train.py's sampler has
 # them since 2026-11-28) beside the same step unfused: the registered rule of docs/benchmarks.md decides
 # whether the sampler keeps them joined; the profile reads the registered predictions for sampling by
-# blocks and for the norms and rope in fewer kernels. Random weights only; carrying .gpu/w (wheels,
+# blocks and for the norms and rope in fewer kernels; compiled against graphed decides train.py's
+# --compile-sampler default (the rule registered there). Random weights only; carrying .gpu/w (wheels,
 # these scripts, commit.txt). Each decode command writes its JSON after every timed repeat: a timeout
 # keeps what finished.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false

@@ -43,8 +43,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from runtime import barrier, fail, stop_if_any_rank, unwrap
 
 # flags that do not change what a run computes (the gradient does not depend on the micro-batch, the
-# sharding or recomputation; the samples not on the sampler's chunks or compiling, up to float
-# rounding); every other flag must match the checkpoint's for --resume
+# sharding or recomputation; the samples do not depend on the sampler's chunks or on compiling, up to
+# float rounding); every other flag must match the checkpoint's for --resume
 RESUMABLE_CHANGES = {"out", "resume", "steps", "save_every", "eval_every", "eval_tasks",
                      "eval_limit", "micro_batch", "grad_checkpointing", "fsdp", "max_bad_steps",
                      "report_to", "generate_rows", "keep_last", "compile_sampler"}

@@ -241,7 +241,8 @@ def rms_norm(norm, x):
     """Hugging Face's RMSNorm module `norm` applied to x, the three families' formula with its
     normalizing in one F.rms_norm call: on CUDA one fused kernel (_fused_rms_norm) where the module
     runs seven (to fp32, pow, mean, add, rsqrt, mul, back to x's dtype), 1.6 ms of a 12.2 ms step
-    at batch 256 of Qwen2.5-7B on an H200 (docs/benchmarks.md); on a CPU the module's own ops."""
+    at batch 256 of Qwen2.5-7B on an H200 (docs/benchmarks.md); on a CPU the module's own ops, the
+    same bits (torch 2.13's composite: an older one may round eps differently)."""
     # x / sqrt(mean(x^2) + eps) in fp32, rounded to x's dtype, then times the weight
     return norm.weight * F.rms_norm(x, x.shape[-1:], eps=norm.variance_epsilon)
 
@@ -465,14 +466,15 @@ def static_step(model, cache, state, span, decode_fn=decode):
 @functools.cache
 def compiled_step(backend="inductor"):
     """static_step with its model part (decode) compiled by torch.compile (Inductor on CUDA; the
-    tests trace it with another backend): its ~36 ops a layer fused into fewer kernels, gpt-fast's
-    recipe for a step whose kernels each cost more than their work (a graphed SmolLM2 step: ~4 ms
-    for ~0.1 ms of memory traffic, docs/benchmarks.md). Sampling stays eager: Inductor's split scan
-    fails to compile the top-p/inverse-CDF cumsum fused with the softmax before it (pytorch#180221,
-    "list indices must be integers or slices, not NoneType", on an H200). Compiled with symbolic
-    shapes from the first call (dynamic=True): the span and the cache's length change with the
-    prompts' lengths and max_new_tokens, and a compile specialized to the first would recompile at
-    the second with them symbolic. Opt-in (generate(compiled=True))."""
+    tests trace it with another backend): its 28 ops a layer (joined, as on CUDA) fused into
+    fewer kernels, gpt-fast's recipe for a step whose kernels each cost more than their work (a
+    graphed SmolLM2 step: ~4 ms for ~0.1 ms of memory traffic, docs/benchmarks.md). Sampling
+    stays eager: Inductor's split scan fails to compile the top-p/inverse-CDF cumsum fused with
+    the softmax before it (pytorch#180221, "list indices must be integers or slices, not
+    NoneType", on an H200). Compiled with symbolic shapes from the first call (dynamic=True):
+    the span and the cache's length change with the prompts' lengths and max_new_tokens, and a
+    compile specialized to the first would recompile at the second with them symbolic. Opt-in
+    (generate(compiled=True); train.py --compile-sampler)."""
     compiled_decode = torch.compile(decode, fullgraph=True, dynamic=True, backend=backend)
     return functools.partial(static_step, decode_fn=compiled_decode)
 

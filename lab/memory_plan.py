@@ -37,10 +37,9 @@ Each transient (a prefill bucket, a decode step, the two passes) is traced from 
 train.token_logprobs' own code on fake tensors (FakeTensorMode: shapes, no data), counting the
 bytes of every storage alive after each op: the micro-batch is the largest that micro_batch_sizes
 makes of the longest prompts with responses at full length (on CUDA the sampler's norms as their
-fused kernel allocates: rollout.rms_norm). A CUDA kernel's own workspace is not an
-op and is not in the trace (docs/gpu.md compares the trace with the peaks an H200 measured); on
-CUDA, cuBLAS's workspaces are resident: one for each thread and stream that runs a GEMM, kept to the
-end.
+fused kernel allocates: rollout.rms_norm). A CUDA kernel's own workspace is not an op and is not in
+the trace (docs/gpu.md compares the trace with the peaks an H200 measured); on CUDA, cuBLAS's
+workspaces are resident: one for each thread and stream that runs a GEMM, kept to the end.
 Host memory per node: each rank builds the fp32 model on its host (policy, then reference, one at a
 time) before moving or sharding it.
 

@@ -156,8 +156,8 @@ def test_on_a_gpu_eval_samples_with_the_projections_joined(eval_runs, monkeypatc
     finally:
         torch.set_num_threads(threads)
     assert len(joined) == 1 and hasattr(joined[0].model.layers[0].self_attn, "fused")
-    assert (tmp_path / "completions.jsonl").read_text() == (single / "completions.jsonl").read_text()
-    assert (tmp_path / "eval.json").read_text() == (single / "eval.json").read_text()
+    for name in ("completions.jsonl", "eval.json"):
+        assert (tmp_path / name).read_text() == (single / name).read_text()
 
 
 def test_completions_round_trip(eval_runs):

@@ -1,8 +1,10 @@
-"""A decode step and a prefill timed apart, rollout.py at b17f244 against the working tree's, alternated,
-one thread, SmolLM2 in fp32 (the compaction loop's `decode` and `prefilled`, as a CPU samples):
-`OMP_NUM_THREADS=1 python studies/norms-rope-cpu/steps.py > studies/norms-rope-cpu/steps.txt`."""
-import importlib.util
-import subprocess
+"""A decode step and a prefill timed apart, rollout.py at b17f244 against the working tree's,
+alternated, one thread, SmolLM2 in fp32 (the compaction loop's `decode` and `prefilled`, as a CPU
+samples):
+
+    OMP_NUM_THREADS=1 python studies/norms-rope-cpu/steps.py > studies/norms-rope-cpu/steps.txt
+"""
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -10,16 +12,12 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "studies")]
 import rollout as after  # noqa: E402
 from model import load_model  # noqa: E402
+from rollout_at import rollout_at  # noqa: E402
 
-source = subprocess.run(["git", "-C", str(ROOT), "show", "b17f244:rollout.py"],
-                        capture_output=True, text=True, check=True).stdout
-Path("/tmp/rollout_b17f244.py").write_text(source)
-spec = importlib.util.spec_from_file_location("rollout_before", "/tmp/rollout_b17f244.py")
-before = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(before)
+before = rollout_at("b17f244")
 
 torch.set_num_threads(1)
 model = load_model("smollm2-135m", dtype=torch.float32).eval()
@@ -38,8 +36,9 @@ with torch.no_grad():
             for _ in range(20):
                 tokens = module.decode(model, tokens, cache).argmax(-1)
             steps[name].append((time.process_time() - start) / 20)
-median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
 for name in ("before", "after"):
-    print(f"{name}: a decode step of 32 rows (ms) {' '.join(f'{1e3 * s:.1f}' for s in steps[name])},"
-          f" median {1e3 * median(steps[name]):.1f}; a prefill of 8 prompts (s) "
-          f"{' '.join(f'{s:.2f}' for s in prefills[name])}, median {median(prefills[name]):.2f}")
+    step_ms = " ".join(f"{1e3 * s:.1f}" for s in steps[name])
+    print(f"{name}: a decode step of 32 rows (ms) {step_ms},"
+          f" median {1e3 * statistics.median(steps[name]):.1f}; a prefill of 8 prompts (s) "
+          f"{' '.join(f'{s:.2f}' for s in prefills[name])}, median "
+          f"{statistics.median(prefills[name]):.2f}")

@@ -1,14 +1,13 @@
-"""The default run's sampling on a CPU, rollout.py at a commit (`--before`) against the working tree's,
-alternated, one thread: the same tokens and log-probs, and useful tokens per CPU second (arith's first 8
-training prompts x 4, 40 new tokens, temperature 1, the compaction loop; SmolLM2 in fp32, unfused, as
-train.py's fp32 sampler).
+"""The default run's sampling on a CPU, rollout.py at a commit (`--before`) against the working
+tree's, alternated, one thread: the same tokens and log-probs, and useful tokens per CPU second
+(arith's first 8 training prompts x 4, 40 new tokens, temperature 1, the compaction loop; SmolLM2 in
+fp32, unfused, as train.py's fp32 sampler).
 
     OMP_NUM_THREADS=1 python studies/sampling-ab/ab.py > studies/sampling-ab/output.txt
-    OMP_NUM_THREADS=1 python studies/sampling-ab/ab.py --before b17f244 > studies/norms-rope-cpu/output.txt
+    OMP_NUM_THREADS=1 python studies/sampling-ab/ab.py --before b17f244 \
+        > studies/norms-rope-cpu/output.txt
 """
 import argparse
-import importlib.util
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -16,23 +15,18 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "studies")]
 import data  # noqa: E402
 import rollout as after  # noqa: E402
 from model import load_model, load_tokenizer, stop_token_ids  # noqa: E402
+from rollout_at import rollout_at  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--before", default="33b65db", help="the commit whose rollout.py runs first")
 parser.add_argument("--rounds", type=int, default=4, help="alternated rounds, each a seed")
 args = parser.parse_args()
 
-source = subprocess.run(["git", "-C", str(ROOT), "show", f"{args.before}:rollout.py"],
-                        capture_output=True, text=True, check=True).stdout
-path = Path(f"/tmp/rollout_{args.before}.py")
-path.write_text(source)
-spec = importlib.util.spec_from_file_location("rollout_before", path)
-before = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(before)
+before = rollout_at(args.before)
 
 torch.set_num_threads(1)
 model = load_model("smollm2-135m", dtype=torch.float32).eval()

@@ -59,24 +59,26 @@ print(f"  span at steps 16-96 of 128-token prompts: 256 slots; live {128 + (16 +
 
 def kernel(part, calls):
     """The profile's one kernel whose name holds `part`, run `calls` times a step."""
-    found = [k for k in profile["kernels"] if part in k["kernel"] and round(k["calls_per_step"]) == calls]
+    found = [k for k in profile["kernels"]
+             if part in k["kernel"] and round(k["calls_per_step"]) == calls]
     assert len(found) == 1, (part, calls)
     return found[0]["ms_per_step"]
 
 
-# Hugging Face's RMSNorm (57 a step: 2 a layer and the final one): the upcast, pow, mean, add, rsqrt,
-# product and cast back (a kernel run 60 or 59 times a step shared by its calls), then the weight's
-# product, one of the 169 bf16 products (the rest: rope's 112); rope: cat, neg, 2 products, 1 sum each
-# on q and k (half of the 112 bf16 sums; the others are the residuals)
+# Hugging Face's RMSNorm (57 a step: 2 a layer and the final one): the upcast, pow, mean, add,
+# rsqrt, product and cast back (a kernel run 60 or 59 times a step shared by its calls), then the
+# weight's product, one of the 169 bf16 products (the rest: rope's 112); rope: cat, neg, 2
+# products, 1 sum each on q and k (half of the 112 bf16 sums; the others are the residuals)
 seven = sum(kernel(part, calls) * 57 / calls for part, calls in (
     ("direct_copy_kernel_cuda", 60), ("pow_tensor_scalar", 57), ("MeanOps", 57),
     ("CUDAFunctorOnSelf_add<float>", 57), ("rsqrt_kernel", 57), ("MulFunctor<float> >", 57),
     ("bfloat16_copy_kernel", 59)))
 products = kernel("gpu_kernel_impl_nocast<at::native::BinaryFunctor<c10::BFloat16", 169)
 rope = (kernel("CatArrayBatchedCopy<at::native::(anonymous namespace)::OpaqueType<2u>", 56)
-        + kernel("neg_kernel", 56) + products * 112 / 169 + kernel("CUDAFunctor_add<c10::BFloat16>", 112) / 2)
-print(f"  RMSNorm: {seven + products * 57 / 169:.2f} ms a step ({seven:.2f} in its seven kernels, the mean "
-      f"{kernel('MeanOps', 57):.2f}); rope {rope:.2f} ms")
+        + kernel("neg_kernel", 56) + products * 112 / 169
+        + kernel("CUDAFunctor_add<c10::BFloat16>", 112) / 2)
+print(f"  RMSNorm: {seven + products * 57 / 169:.2f} ms a step ({seven:.2f} in its seven kernels, "
+      f"the mean {kernel('MeanOps', 57):.2f}); rope {rope:.2f} ms")
 
 print("\n== the no-grad pass at the 1.5B shape: fp32 against bf16x6 (the rule's speed half)")
 part = load("bench_precision.json")["parts"]["precision/1.5B"]

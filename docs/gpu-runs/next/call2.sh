@@ -14,7 +14,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site
 T0=$SECONDS
 # 1. the workspaces: the GPU test, then the plan against the measured peaks
-timeout 50 python3 -m pytest -q -m gpu tests/test_gpu.py -k "second_generate or fused_kernel" 2>&1 | tail -3 \
+timeout 40 python3 -m pytest -q -m gpu tests/test_gpu.py -k "second_generate or fused_kernel" 2>&1 | tail -3 \
     | tee $OUT/memory_plan.log
 timeout 30 python3 -c "
 import transformers as t

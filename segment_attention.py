@@ -1,7 +1,7 @@
-"""Attention by segments: train.token_logprobs' packed passes compute only the pairs the pack's
+"""Attention by segments: logprobs.token_logprobs' packed passes compute only the pairs the pack's
 mask lets through, when asked (by_segments; issue 35).
 
-train.token_logprobs packs an RLOO group as one sequence, the prompt once and then each response,
+logprobs.token_logprobs packs an RLOO group as one sequence, the prompt once and then each response,
 with a block mask (pack_layout); SDPA under that mask computes every (query, key) pair of the L x L
 pack, although the mask lets few through (12.4% at the 1-GPU recipe's shapes: a pack of 160 prompt
 tokens and 5 responses of 1,024).
@@ -36,7 +36,7 @@ NAME = "packed_segments"
 
 
 def layout(packs, P):
-    """Each pack's segments, from train.pack_layout's packs: (the prompt's first column, P, the
+    """Each pack's segments, from logprobs.pack_layout's packs: (the prompt's first column, P, the
     responses' [first column, end) spans)."""
     return [(P - len(prompt), P, [(P + offset, P + offset + length)
                                   for _, offset, length in members])

@@ -5,7 +5,7 @@ The paper's sec. 4.1 setup, with verl's defaults where the paper is silent (Adam
   1. rollout    --group-size completions for each of --prompts-per-step prompts, from the policy
   2. reward     each completion's verifiable reward R in [0, 1] (data.score, reward.py)
   3. log-probs  log pi(y_t | x, y<t) of every sampled token under the policy (no grad) and the
-                frozen reference pi_ref, the initial policy (token_logprobs: each group is one
+                frozen reference pi_ref, the initial policy (logprobs.py: each group is one
                 packed sequence)
   4. shape      return_i = R_i - beta * sum_t sg[KL_t] if --place is reward/both (eq. 7), else R_i
   5. advantage  RLOO: A_i = return_i - mean of the other G - 1 returns of the same prompt
@@ -34,7 +34,6 @@ Checkpoints and --resume: checkpoint.py.
 import argparse
 import collections
 import contextlib
-import itertools
 import json
 import math
 import os
@@ -45,7 +44,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
@@ -54,11 +52,10 @@ import advantage
 import checkpoint
 import data
 import kl
+import logprobs
 import report
 import rollout
 import runtime
-import segment_attention
-import split_matmul
 from hub import HubUnreachable
 from model import load_model, load_tokenizer, stop_token_ids
 
@@ -242,135 +239,6 @@ def prompt_batch(examples, start, count, seed):
     return [examples[orders[p // n][p % n]] for p in positions]
 
 
-def pack_layout(prompts, response_mask):
-    """How token_logprobs packs the rows: (packs, P, L, pack_of_row, kept_column). Runs of rows with
-    the same prompt (an RLOO group is contiguous) share a pack, a list of (row, offset, length):
-    the prompt once, left-padded to the width P, then each response in its own `length` columns
-    (up to its last response token: padding takes no column) at P + offset. L is the longest
-    pack. The logits kept start at column P - 1 (the prompt's last, which predicts every
-    response's token 0); kept_column (B, T) is the kept index that predicts token t of each row
-    (0 past its length, where the mask is 0)."""
-    B, T = response_mask.shape
-    t = torch.arange(1, T + 1)
-    # each row's length: up to its last response token
-    lengths = torch.where(response_mask.detach().cpu() != 0, t, 0).max(1).values.tolist()
-    packs = []  # (prompt, [(row, offset, length), ...])
-    for row, prompt in enumerate(prompts):
-        if not packs or packs[-1][0] != prompt:
-            packs.append((prompt, []))
-        members = packs[-1][1]
-        offset = members[-1][1] + members[-1][2] if members else 0
-        members.append((row, offset, lengths[row]))
-    P = max(len(prompt) for prompt, _ in packs)
-    L = P + max(offset + length for _, members in packs for _, offset, length in members[-1:])
-    pack_of_row, kept_column = torch.zeros(B, dtype=torch.long), torch.zeros(B, T, dtype=torch.long)
-    for j, (_, members) in enumerate(packs):
-        for row, offset, length in members:
-            pack_of_row[row] = j
-            # token t >= 1 is predicted by column P + offset + t - 1: kept index offset + t
-            kept_column[row, 1:length] = offset + torch.arange(1, length)
-    return packs, P, L, pack_of_row, kept_column
-
-
-def token_logprobs(model, prompts, responses, response_mask, temperature, dtype, entropy=False,
-                   by_segments=False):
-    """log pi(y_t | x, y<t) of each response token, (B, T) in fp32, and with entropy=True the
-    entropy of pi there (detached; else None: the gradient pass skips its two (B, T, vocab)
-    temporaries). by_segments: attention computed only where the mask allows (segment_attention.py),
-    the same values to float rounding (~3e-5 on SmolLM2: another order of fp32 sums); a gradient
-    pass by segments under activation checkpointing keeps segment_attention.attention(model) around
-    its backward too (the recomputation runs there).
-
-    Rows with the same prompt (an RLOO group is contiguous) are packed into one sequence
-    (pack_layout): the prompt once, then each of its responses in its own length, every response
-    attending to the prompt and to its own earlier tokens only (a block attention mask, position
-    ids restarting after the prompt). Each token sees exactly what it would see in its own
-    sequence, but the prompt is computed once per group instead of G times, and padding after a
-    response's end is not computed at all. Prompts are left-padded, so the responses start at
-    column P and only the columns from P - 1 on reach the output layer.
-    """
-    runtime.return_freed_memory()  # the last pass's temporaries: only live tensors stay resident
-    packs, P, L, pack_of_row, kept_column = pack_layout(prompts, response_mask)
-    device = responses.device
-    input_ids = torch.zeros(len(packs), L, dtype=torch.long, device=device)
-    position_ids = torch.zeros_like(input_ids)
-    # allowed[j, query, key]: padding sees itself only
-    allowed = torch.eye(L, dtype=torch.bool, device=device).repeat(len(packs), 1, 1)
-    for j, (prompt, members) in enumerate(packs):
-        start, n = P - len(prompt), len(prompt)
-        input_ids[j, start:P] = torch.tensor(prompt)
-        position_ids[j, start:P] = torch.arange(n)
-        allowed[j, start:P, start:P] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-        for row, offset, length in members:
-            columns = slice(P + offset, P + offset + length)
-            input_ids[j, columns] = responses[row, :length]
-            position_ids[j, columns] = torch.arange(n, n + length)
-            allowed[j, columns, start:P] = True
-            allowed[j, columns, columns] = torch.ones(length, length, dtype=torch.bool,
-                                                      device=device).tril()
-    segments, attention = {}, contextlib.nullcontext()
-    if by_segments:  # only the pairs `allowed` lets through, pack by pack (segment_attention.py)
-        segments = {"segments": segment_attention.layout(packs, P)}
-        attention = segment_attention.attention(model)
-    # no cast cache: each weight is used once per forward, and a cache would hold a bf16 copy of all
-    # of them (0.25 GiB) through the pass
-    with (torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32,
-                         cache_enabled=False), attention):
-        logits = model(input_ids=input_ids, attention_mask=allowed.unsqueeze(1),
-                       position_ids=position_ids, use_cache=False, logits_to_keep=L - P + 1,
-                       **segments).logits
-    logits = logits[pack_of_row[:, None].to(device), kept_column.to(device)]  # (B, T, vocab)
-    logits = logits.float() if temperature == 1 else logits.float() / temperature  # no copy at 1
-    logp_all = logits.log_softmax(-1)
-    del logits  # the entropy's (B, T, vocab) temporary takes its place: two such tensors at a time
-    logp = logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
-    if not entropy:
-        return logp * response_mask, None
-    with torch.no_grad():
-        entropy = -logp_all.exp().mul_(logp_all).sum(-1)  # one (B, T, vocab) temporary, not two
-    return logp * response_mask, entropy * response_mask
-
-
-def micro_batch_sizes(prompts, micro_batch):
-    """The rows' micro-batches, as sizes of consecutive runs: at most `micro_batch` rows each, and
-    an RLOO group (a run of rows with the same prompt) never split across two unless it is larger
-    than `micro_batch`. token_logprobs pads every pack of a micro-batch to the longest, so a
-    micro-batch that straddled two groups computed up to a group's length twice: 1.5x the response
-    tokens at the 1-GPU recipe's --group-size 5 --micro-batch 8 (docs/benchmarks.md)."""
-    sizes, joinable = [], False  # joinable: the last micro-batch holds whole groups only
-    for _, run in itertools.groupby(map(tuple, prompts)):
-        group = len(list(run))
-        if joinable and sizes[-1] + group <= micro_batch:
-            sizes[-1] += group
-            continue
-        full, rest = divmod(group, micro_batch)
-        sizes += [micro_batch] * full + [rest] * (rest > 0)
-        joinable = full == 0
-    return sizes
-
-
-def no_grad_logprobs(model, prompts, responses, response_mask, temperature, dtype, micro_batch,
-                     entropy=False, by_segments=False):
-    """token_logprobs (and with entropy=True the entropies, else None) of the whole batch,
-    micro-batch by micro-batch (micro_batch_sizes), no gradient. dtype "bf16x6": fp32 whose linear
-    layers' matmuls are six bf16 tensor-core products (split_matmul.py), CUDA's default.
-    by_segments: token_logprobs'; off in train.py, whose gradient pass (faster with the block mask
-    on an H200) then computes attention as these passes do."""
-    parts, start = [], 0
-    pieces = contextlib.nullcontext()
-    if dtype == "bf16x6":
-        pieces, dtype = split_matmul.bf16_pieces(6), torch.float32
-    with torch.no_grad(), pieces:
-        for size in micro_batch_sizes(prompts, micro_batch):
-            rows, start = slice(start, start + size), start + size
-            parts.append(token_logprobs(model, prompts[rows], responses[rows], response_mask[rows],
-                                        temperature, dtype, entropy, by_segments))
-    if isinstance(model, FSDPModule):  # FSDP2 keeps a root gathered after a forward until its
-        model.reshard()  # backward, which a no-grad pass never runs (4.4 GB a rank at 7B)
-    logp, entropies = zip(*parts)
-    return torch.cat(logp), torch.cat(entropies) if entropy else None
-
-
 @torch.no_grad()
 def sampler_vs_trainer(sampler_logp, logp, mask, device):
     """The sampler mu against the policy pi being trained, on mu's samples: sums over this rank of
@@ -459,9 +327,9 @@ def update(args, policy, optimizer, batch, minibatch, first):
     # dtype, or the self-normalized weight needs them)
     exact_logp = batch.policy_logp[minibatch]
     if not first and (dtype != logprob_dtype or self_normalized):
-        exact_logp = no_grad_logprobs(policy, [batch.prompts[r] for r in minibatch],
-                                      batch.tokens[minibatch], mask[minibatch], args.temperature,
-                                      logprob_dtype, args.micro_batch)[0]
+        exact_logp = logprobs.no_grad_logprobs(
+            policy, [batch.prompts[r] for r in minibatch], batch.tokens[minibatch],
+            mask[minibatch], args.temperature, logprob_dtype, args.micro_batch)[0]
     log_mean_w = 0.0  # --is-weight self-normalized: log mean_j w_j, all ranks
     if self_normalized:
         log_mean_w = importance_weights(kl.log_importance_weights(
@@ -472,15 +340,16 @@ def update(args, policy, optimizer, batch, minibatch, first):
     num_tokens = mask[minibatch].sum()
     if dist.is_initialized():
         dist.all_reduce(num_tokens)
-    micro_batches = minibatch.split(micro_batch_sizes([batch.prompts[r] for r in minibatch],
-                                                      args.micro_batch))
+    micro_batches = minibatch.split(
+        logprobs.micro_batch_sizes([batch.prompts[r] for r in minibatch], args.micro_batch))
     sums = torch.zeros(3, dtype=torch.float64, device=device)
     for i, rows in enumerate(micro_batches):
         # DDP all-reduces gradients in the backward of the last micro-batch only
         no_sync = isinstance(policy, DDP) and i < len(micro_batches) - 1
         with policy.no_sync() if no_sync else contextlib.nullcontext():
-            logp, _ = token_logprobs(policy, [batch.prompts[r] for r in rows], batch.tokens[rows],
-                                     mask[rows], args.temperature, dtype)
+            logp, _ = logprobs.token_logprobs(policy, [batch.prompts[r] for r in rows],
+                                              batch.tokens[rows], mask[rows], args.temperature,
+                                              dtype)
             if dtype != logprob_dtype:  # exact_logp's values, this pass's gradient
                 logp = logp + (exact_logp[rows - minibatch[0]] - logp).detach()
             # the ratio's old policy: on-policy (one minibatch, no lag) sg[logp], so the ratio is
@@ -659,9 +528,10 @@ def main(argv=None):
         # ------------------------------------------------------------ log-probs
         # policy and reference, in --logprob-dtype (fp32: bf16 rounding would put a noise floor
         # under every KL and ratio)
-        policy_logp, entropy = no_grad_logprobs(policy, prompts, tokens, mask, args.temperature,
-                                                logprob_dtype, args.micro_batch, entropy=True)
-        ref_logp = policy_logp if reference is None else no_grad_logprobs(
+        policy_logp, entropy = logprobs.no_grad_logprobs(
+            policy, prompts, tokens, mask, args.temperature, logprob_dtype, args.micro_batch,
+            entropy=True)
+        ref_logp = policy_logp if reference is None else logprobs.no_grad_logprobs(
             reference, prompts, tokens, mask, args.temperature, logprob_dtype, args.micro_batch)[0]
 
         # ------------------------------------------------------------ shape (eq. 7), advantage

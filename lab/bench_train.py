@@ -6,7 +6,7 @@ memory do not depend on the weights), through the trainer's own functions:
 - train: 0.5B and 1.5B shapes, fp32 master weights and AdamW, bf16 compute. Phases, each timed
   alone (CUDA synchronized): sampling (rollout.generate, EOS off, --sample-tokens new tokens: the
   sampler's speed per decode step, docs/benchmarks.md has it in full), the policy's and the
-  reference's no-grad log-prob passes (train.no_grad_logprobs in train.py's --logprob-dtype auto:
+  reference's no-grad log-prob passes (logprobs.no_grad_logprobs in train.py's --logprob-dtype auto:
   bf16x6 on CUDA since 2026-11-28, fp32 before and on a CPU), and the
   update (train.update: the gradient pass over the micro-batches, forward and backward, then the
   AdamW step, timed apart) with activation checkpointing on and off. The training passes run on
@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import logprobs
 import rollout
 import runtime
 import segment_attention
@@ -136,7 +137,7 @@ def batch_of(args, vocab_size, device):
 
 
 def pass_flops(model, args, num_rows, backward):
-    """Model FLOPs of one pass over `num_rows` rows packed as train.token_logprobs packs them."""
+    """Model FLOPs of one pass over `num_rows` rows packed as logprobs.token_logprobs packs them."""
     config = model.config
     packs = num_rows // args.group_size
     length = args.prompt_tokens + args.group_size * args.response_tokens  # a pack's positions
@@ -207,10 +208,10 @@ def train_part(args, shape, device, peak):
     logprob_dtype = runtime.logprob_dtype("auto", device)  # as train.py's default resolves it
     result["logprob_dtype"] = str(logprob_dtype).removeprefix("torch.")
     result["attention_ops_nograd"] = attention_ops(
-        train.no_grad_logprobs, policy, prompts[warm], responses[warm], mask[warm], 1.0,
+        logprobs.no_grad_logprobs, policy, prompts[warm], responses[warm], mask[warm], 1.0,
         logprob_dtype, args.micro_batch)
     for name, model in (("policy_nograd", policy), ("reference_nograd", reference)):
-        (logp, _), seconds, memory = timed(device, train.no_grad_logprobs, model, prompts,
+        (logp, _), seconds, memory = timed(device, logprobs.no_grad_logprobs, model, prompts,
                                            responses, mask, 1.0, logprob_dtype, args.micro_batch,
                                            entropy=name == "policy_nograd")
         result[name] = {"s": seconds, "tokens_per_s": mask.sum().item() / seconds,
@@ -235,8 +236,8 @@ def train_part(args, shape, device, peak):
     optimizer.step = timed_step  # a reference cycle: main() collects it before the next part
     grad_flops = pass_flops(policy, args, len(prompts), backward=True)
     with AttentionOps() as mode:  # the gradient pass's attention, forward and backward, one group
-        logp_warm, _ = train.token_logprobs(policy, prompts[warm], responses[warm], mask[warm], 1.0,
-                                            dtype)
+        logp_warm, _ = logprobs.token_logprobs(policy, prompts[warm], responses[warm], mask[warm],
+                                               1.0, dtype)
         logp_warm.sum().backward()
     result["attention_ops_gradient"] = sorted(mode.ops)
     policy.zero_grad(set_to_none=True)
@@ -268,7 +269,7 @@ def nograd_part(args, shape, device, peak, precisions=("float32", "bfloat16")):
               "rows": len(prompts)}
     warm = slice(0, args.group_size)  # one group first: kernels chosen, memory pools grown
     result["attention_ops_float32"] = attention_ops(
-        train.no_grad_logprobs, model, prompts[warm], responses[warm], mask[warm], 1.0,
+        logprobs.no_grad_logprobs, model, prompts[warm], responses[warm], mask[warm], 1.0,
         torch.float32, args.micro_batch)
     for precision in precisions:
         tf32 = precision == "tf32"
@@ -280,9 +281,9 @@ def nograd_part(args, shape, device, peak, precisions=("float32", "bfloat16")):
         torch.backends.cuda.matmul.allow_tf32 = tf32
         try:
             with bf16_pieces(6) if precision == "bf16x6" else contextlib.nullcontext():
-                train.no_grad_logprobs(model, prompts[warm], responses[warm], mask[warm], 1.0,
-                                       dtype, args.micro_batch)  # this precision's kernels
-                _, seconds, memory = timed(device, train.no_grad_logprobs, model, prompts,
+                logprobs.no_grad_logprobs(model, prompts[warm], responses[warm], mask[warm], 1.0,
+                                          dtype, args.micro_batch)  # this precision's kernels
+                _, seconds, memory = timed(device, logprobs.no_grad_logprobs, model, prompts,
                                            responses, mask, 1.0, dtype, args.micro_batch)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = previous
@@ -304,14 +305,14 @@ def profile_part(args, shape, device, peak):
     group = slice(0, args.group_size)
 
     def gradient_pass():
-        logp, _ = train.token_logprobs(policy, prompts[group], responses[group], mask[group], 1.0,
-                                       dtype)
+        logp, _ = logprobs.token_logprobs(policy, prompts[group], responses[group], mask[group],
+                                          1.0, dtype)
         logp.sum().backward()
         policy.zero_grad(set_to_none=True)
 
     def nograd_pass():
-        train.no_grad_logprobs(policy, prompts[group], responses[group], mask[group], 1.0,
-                               logprob_dtype, args.micro_batch)
+        logprobs.no_grad_logprobs(policy, prompts[group], responses[group], mask[group], 1.0,
+                                  logprob_dtype, args.micro_batch)
 
     def own_ms(event):  # the kernel's own device time, or on a CPU the op's own time
         return (event.self_device_time_total if cuda else event.self_cpu_time_total) / 1e3
@@ -367,28 +368,28 @@ def attention_part(args, shape, device, peak):
         with segment_attention.attention(model) if by_segments else contextlib.nullcontext():
             for start, size in zip(*micro_batch_starts(prompts, args.micro_batch)):
                 rows = slice(start, start + size)
-                logp, _ = train.token_logprobs(model, prompts[rows], responses[rows], mask[rows],
-                                               1.0, dtype, by_segments=by_segments)
+                logp, _ = logprobs.token_logprobs(model, prompts[rows], responses[rows], mask[rows],
+                                                  1.0, dtype, by_segments=by_segments)
                 logp.sum().backward()
         model.zero_grad(set_to_none=True)
 
     def variant(name):
         by_segments = name == "segments"
-        ops = attention_ops(train.no_grad_logprobs, model, prompts[warm], responses[warm],
+        ops = attention_ops(logprobs.no_grad_logprobs, model, prompts[warm], responses[warm],
                             mask[warm], 1.0, torch.float32, args.micro_batch,
                             by_segments=by_segments)
         (logps[name], _), nograd_s, nograd_peak = timed(
-            device, train.no_grad_logprobs, model, prompts, responses, mask, 1.0, torch.float32,
+            device, logprobs.no_grad_logprobs, model, prompts, responses, mask, 1.0, torch.float32,
             args.micro_batch, by_segments=by_segments)
         result[name] = {"nograd_s": nograd_s, "nograd_peak_bytes": nograd_peak,
                         "attention_ops_nograd": ops}  # kept if the gradient pass fails
         _, grad_s, grad_peak = timed(device, gradient_pass, by_segments)
         result[name] |= {"gradient_pass_s": grad_s, "gradient_peak_bytes": grad_peak}
         if by_segments:  # with fp32 matmuls from bf16 pieces too (docs/precision.md)
-            train.no_grad_logprobs(model, prompts[warm], responses[warm], mask[warm], 1.0,
-                                   "bf16x6", args.micro_batch)
+            logprobs.no_grad_logprobs(model, prompts[warm], responses[warm], mask[warm], 1.0,
+                                      "bf16x6", args.micro_batch)
             _, result[name]["nograd_bf16x6_s"], _ = timed(
-                device, train.no_grad_logprobs, model, prompts, responses, mask, 1.0, "bf16x6",
+                device, logprobs.no_grad_logprobs, model, prompts, responses, mask, 1.0, "bf16x6",
                 args.micro_batch)
 
     for name in ("block_mask", "segments"):
@@ -404,8 +405,8 @@ def attention_part(args, shape, device, peak):
 
 
 def micro_batch_starts(prompts, micro_batch):
-    """(starts, sizes) of train.micro_batch_sizes' micro-batches."""
-    sizes = train.micro_batch_sizes(prompts, micro_batch)
+    """(starts, sizes) of logprobs.micro_batch_sizes' micro-batches."""
+    sizes = logprobs.micro_batch_sizes(prompts, micro_batch)
     return [sum(sizes[:i]) for i in range(len(sizes))], sizes
 
 

@@ -24,7 +24,7 @@ Entries through the whole model (`capture`, `entry_gradients`). Autograd's gradi
 every parameter costs a weight-gradient product per matrix and a dense 49,152 x 576 embedding
 gradient per row; instead the gradients with respect to each owning module's output d are taken,
 and each kept entry is formed from d and the module's input x, per pack p of
-train.token_logprobs (one pack per group; many with --batch-groups):
+logprobs.token_logprobs (one pack per group; many with --batch-groups):
   Linear y = x W^T                dW_ij = sum_l d_li x_lj
   Embedding y_l = E[id_l]         dE_vj = sum_{l: id_l = v} d_lj  (0 at padding_idx, as autograd)
   RMSNorm y = w * xhat            dw_j = sum_l d_lj xhat_lj,  xhat = x / sqrt(mean(x^2) + eps)

@@ -4,7 +4,7 @@ The policy is the reference moved by one tiny step (every weight by +-EPS: a ran
 sign of the gradient of the responses' log-likelihood, which is what a first AdamW step does).
 Responses are sampled from the reference (no EOS, exactly --max-new-tokens tokens). Each precision
 then computes the log-prob of every sampled token under both models through the trainer's own
-`train.token_logprobs`, and we print the per-token log-ratio std and the sequence K1 and K3
+`logprobs.token_logprobs`, and we print the per-token log-ratio std and the sequence K1 and K3
 (eqs. 11, 14; mean over responses) beside float64, the truth. Also the share of weights that sit
 exactly on a bf16 number and exactly halfway between two (ties: any update, however small, decides
 which way such a weight rounds).
@@ -35,7 +35,7 @@ import kl
 import rollout
 from split_matmul import bf16_pieces, linears
 from model import load_model, load_tokenizer
-from train import token_logprobs
+from logprobs import token_logprobs
 
 parser = argparse.ArgumentParser(description="the KL noise floor of bf16 log-probs")
 parser.add_argument("--model", default="smollm2-135m",

@@ -8,7 +8,7 @@ pi_ref is the base model; pi the same after N steps of no-KL RLOO training on `a
    prompts drawn uniformly, with replacement, from the held-out split: the groups are i.i.d.
 2. The trainer's estimators (the sampled rows). For each group, the loss train.py builds with the
    task score set to 0: kl.shape_rewards -> advantage.rloo -> advantage.policy_loss + kl.kl_loss
-   (on-policy, ratio 1), log-probs from train.token_logprobs in fp32. Autograd gives its
+   (on-policy, ratio 1), log-probs from logprobs.token_logprobs in fp32. Autograd gives its
    coefficients dloss/dlogp (B, T) through the real functions and one vector-Jacobian product
    through the model the parameter gradient. `task_pg`: the real score, no KL.
 3. Exact per-prefix estimators (the exact rows; issue 27). At each visited prefix h_t = (x, y<t),
@@ -85,6 +85,7 @@ import torch
 import advantage
 import data
 import kl
+import logprobs
 from lab import kl_coords
 from lab.kl_chunks import (chunk_seed, load_distance, policy_hash, run_key, save_chunk,
                             saved_chunks)
@@ -199,23 +200,23 @@ def coefficients(logp, ref_logp, mask, scores, group_size, beta=1.0, num_tokens=
 # ---------------------------------------------------------------- exact per-prefix estimators
 
 def vocab_logprobs(model, prompts, tokens, mask):
-    """(logp (B, T), train.token_logprobs' log-probs of the sampled tokens; logp_all (B, T, V),
+    """(logp (B, T), logprobs.token_logprobs' log-probs of the sampled tokens; logp_all (B, T, V),
     log pi(. | x, y<t) over the vocabulary) from one forward pass: a hook keeps the output layer's
     logits, indexed as token_logprobs indexes them (checked against its logp)."""
     kept = []
     hook = model.get_output_embeddings().register_forward_hook(
         lambda module, inputs, out: kept.append(out))
     try:
-        logp, _ = train.token_logprobs(model, prompts, tokens, mask, 1.0, torch.float32)
+        logp, _ = logprobs.token_logprobs(model, prompts, tokens, mask, 1.0, torch.float32)
     finally:
         hook.remove()
-    _, _, _, pack, column = train.pack_layout(prompts, mask)  # the kept column of token t
+    _, _, _, pack, column = logprobs.pack_layout(prompts, mask)  # the kept column of token t
     device = kept[0].device
     logp_all = kept[0][pack.to(device)[:, None], column.to(device)]
     logp_all = logp_all.float().log_softmax(-1)
     picked = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) * mask
     if not torch.allclose(picked, logp, atol=1e-5):
-        raise RuntimeError("vocab_logprobs: train.token_logprobs indexes its logits otherwise")
+        raise RuntimeError("vocab_logprobs: logprobs.token_logprobs indexes its logits otherwise")
     return logp, logp_all
 
 
@@ -386,7 +387,7 @@ def batch_gradients(policy, reference, prompts, tokens, mask, scores, group_size
                     tail=()):
     """((groups, len(ROWS), m), logp, ref_logp, per-prefix quantities): group_gradients for many
     groups in one pass. The rows of each group (one prompt, contiguous) are one pack of
-    train.token_logprobs; a Linear's weight gradient is sum_l delta_l a_l^T over the positions l,
+    logprobs.token_logprobs; a Linear's weight gradient is sum_l delta_l a_l^T over the positions l,
     so the per-pack product of its output gradient delta and its input a is that group's gradient.
     Adjacent groups must differ in prompt (else token_logprobs packs them together)."""
     owners = {id(m.weight): m for m in policy.modules() if isinstance(m, torch.nn.Linear)}

@@ -34,7 +34,7 @@ Per rank, in each phase of a step (GB = 1e9 bytes); the phase's peak is its sum:
 - AdamW step: the gradients and AdamW's temporary (torch's foreach kernel on CUDA: the square root
   of every second moment at once; on a CPU one tensor at a time).
 Each transient (a prefill bucket, a decode step, the two passes) is traced from rollout's and
-train.token_logprobs' own code on fake tensors (FakeTensorMode: shapes, no data), counting the
+logprobs.token_logprobs' own code on fake tensors (FakeTensorMode: shapes, no data), counting the
 bytes of every storage alive after each op: the micro-batch is the largest that micro_batch_sizes
 makes of the longest prompts with responses at full length (on CUDA the sampler's norms as their
 fused kernel allocates: rollout.rms_norm). A CUDA kernel's own workspace is not an op and is not in
@@ -68,6 +68,7 @@ from torch.utils._pytree import tree_flatten
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import logprobs  # noqa: E402
 import rollout  # noqa: E402
 import runtime  # noqa: E402
 import split_matmul  # noqa: E402
@@ -201,17 +202,17 @@ class LiveBytes(TorchDispatchMode):
 
 @contextlib.contextmanager
 def real_layout():
-    """train.pack_layout reads the response lengths (host values): on real tensors."""
-    pack_layout = train.pack_layout
+    """logprobs.pack_layout reads the response lengths (host values): on real tensors."""
+    pack_layout = logprobs.pack_layout
 
     def layout(prompts, response_mask):
         with unset_fake_temporarily():
             return pack_layout(prompts, torch.ones(response_mask.shape))
-    train.pack_layout = layout
+    logprobs.pack_layout = layout
     try:
         yield
     finally:
-        train.pack_layout = pack_layout
+        logprobs.pack_layout = pack_layout
 
 
 def fake_model(config, dtype):
@@ -299,8 +300,8 @@ def traced_passes(config, prompts, max_new_tokens, dtype, checkpointing,
     with real_layout(), FakeTensorMode(allow_non_fake_inputs=True):
         model = fake_model(config, torch.float32)
         with torch.no_grad(), pieces, cuda_gemm():
-            nograd = traced(lambda: train.token_logprobs(model, prompts, responses, mask, 1.0,
-                                                         logprob_dtype, entropy=True))
+            nograd = traced(lambda: logprobs.token_logprobs(model, prompts, responses, mask, 1.0,
+                                                            logprob_dtype, entropy=True))
         model.requires_grad_(True)
         if checkpointing:
             getattr(model, "activation_checkpointing_enable",  # as train.py turns it on
@@ -313,7 +314,7 @@ def traced_passes(config, prompts, max_new_tokens, dtype, checkpointing,
                 param.register_post_accumulate_grad_hook(lambda param: setattr(param, "grad", None))
 
         def gradient_pass():
-            logp, _ = train.token_logprobs(model, prompts, responses, mask, 1.0, dtype)
+            logp, _ = logprobs.token_logprobs(model, prompts, responses, mask, 1.0, dtype)
             logp.sum().backward()
         gradient = traced(gradient_pass)
     return nograd, gradient
@@ -362,7 +363,7 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
                                       flags.max_new_tokens, fused, device == "cuda")
     prompts = [[g] * prompt_tokens for g in range(rows // flags.group_size + 1)
                for _ in range(flags.group_size)][:rows]
-    sizes = train.micro_batch_sizes(prompts, flags.micro_batch)
+    sizes = logprobs.micro_batch_sizes(prompts, flags.micro_batch)
     micro = max(sizes)
     logprob_dtype = runtime.logprob_dtype(flags.logprob_dtype, torch.device(device))
     nograd, grad_pass = traced_passes(config, prompts[:micro], flags.max_new_tokens, dtype,
@@ -545,7 +546,7 @@ def measure_worker(out, argv):
     train.load_model = first_load
     train.stop_token_ids = lambda *args, **kwargs: []
     rollout.generate = phases.wrap("sampling", rollout.generate)
-    train.no_grad_logprobs = phases.wrap("no-grad passes", train.no_grad_logprobs)
+    logprobs.no_grad_logprobs = phases.wrap("no-grad passes", logprobs.no_grad_logprobs)
     train.update = phases.wrap("gradient pass", train.update)
     torch.optim.AdamW.step = phases.wrap("AdamW step", torch.optim.AdamW.step)
     train.main(argv)

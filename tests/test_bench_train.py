@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-import train
+import logprobs
 from lab import bench_train
 
 TINY = ["--allow-cpu", "--shapes", "tiny", "--prompts", "2", "--group-size", "2",
@@ -62,7 +62,7 @@ def test_flops_match_pytorchs_count(backward, one_thread):
     model.set_attn_implementation("eager")  # attention as matmuls, which the counter counts
     prompts, responses, mask = bench_train.batch_of(args, model.config.vocab_size, "cpu")
     with FlopCounterMode(display=False) as counter:
-        logp, _ = train.token_logprobs(model, prompts, responses, mask, 1.0, torch.float32)
+        logp, _ = logprobs.token_logprobs(model, prompts, responses, mask, 1.0, torch.float32)
         if backward:
             logp.sum().backward()
     counted = counter.get_total_flops()

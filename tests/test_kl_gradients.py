@@ -448,7 +448,7 @@ def test_both_is_the_sum_and_group_gradients_is_the_trainers_gradient(tiny_llama
     """The two "both" rows are sums of their parts' coefficients, and group_gradients gives each
     configuration the autograd gradient of the trainer's loss (config_loss) at the kept
     coordinates."""
-    import train
+    import logprobs
     model, reference = tiny_llama(64), tiny_llama(64, seed=1).requires_grad_(False)
     params, subsets, _ = K.choose_subsets(model, "-1.self_attn,-1.mlp", 50, seed=0)
     prompts, tokens = [[1, 2, 3]] * 4, torch.randint(4, 64, (4, 5))
@@ -464,7 +464,7 @@ def test_both_is_the_sum_and_group_gradients_is_the_trainers_gradient(tiny_llama
     outputs, _ = K.row_outputs(logp, logp_all, ref_logp, ref_all, mask, scores, 4)
     X = K.group_gradients(outputs, params, subsets)
     for name in K.CONFIGS:
-        logp, _ = train.token_logprobs(model, prompts, tokens, mask, 1.0, torch.float32)
+        logp, _ = logprobs.token_logprobs(model, prompts, tokens, mask, 1.0, torch.float32)
         score = scores if name == "task_pg" else torch.zeros(4)
         grads = torch.autograd.grad(K.config_loss(name, logp, ref_logp, mask, score, 4, 1.0, 4),
                                     params)

@@ -8,8 +8,8 @@ block mask in every pass)."""
 import pytest
 import torch
 
+import logprobs
 import segment_attention
-import train
 from test_rollout import FAMILIES, tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10]] * 3 + [[11, 12]] * 2
@@ -43,8 +43,8 @@ def test_segments_equal_the_block_mask(family, calls):
 
     def run(by_segments):
         model.zero_grad(set_to_none=True)
-        logp, entropy = train.token_logprobs(model, PROMPTS, responses, mask, 0.7, torch.float32,
-                                             entropy=True, by_segments=by_segments)
+        logp, entropy = logprobs.token_logprobs(model, PROMPTS, responses, mask, 0.7, torch.float32,
+                                                entropy=True, by_segments=by_segments)
         logp.sum().backward()
         return logp.detach(), entropy, [p.grad.clone() for p in model.parameters()]
     (logp, entropy, grads), (ours, our_entropy, our_grads) = run(False), run(True)
@@ -57,18 +57,18 @@ def test_segments_equal_the_block_mask(family, calls):
 
 
 def test_no_grad_passes_by_segments_and_train_pys_block_mask(calls):
-    """train.no_grad_logprobs(by_segments=True) attends by segments, micro-batch by micro-batch,
+    """logprobs.no_grad_logprobs(by_segments=True) attends by segments, micro-batch by micro-batch,
     with the block mask's values; by default (train.py's no-grad passes and its gradient pass) the
     block mask, so the reward's and the loss's log-probs come from one computation."""
     model = tiny_model("qwen2")
     responses, mask = batch(model)
-    logp, entropy = train.no_grad_logprobs(model, PROMPTS, responses, mask, 1.0, torch.float32,
-                                           micro_batch=3, entropy=True, by_segments=True)
+    logp, entropy = logprobs.no_grad_logprobs(model, PROMPTS, responses, mask, 1.0, torch.float32,
+                                              micro_batch=3, entropy=True, by_segments=True)
     assert len(calls) == 2 * model.config.num_hidden_layers  # two micro-batches: 3 rows, 2 rows
-    block, block_entropy = train.no_grad_logprobs(model, PROMPTS, responses, mask, 1.0,
-                                                  torch.float32, micro_batch=3, entropy=True)
+    block, block_entropy = logprobs.no_grad_logprobs(model, PROMPTS, responses, mask, 1.0,
+                                                     torch.float32, micro_batch=3, entropy=True)
     with torch.no_grad():
-        train.token_logprobs(model, PROMPTS, responses, mask, 1.0, torch.float32)
+        logprobs.token_logprobs(model, PROMPTS, responses, mask, 1.0, torch.float32)
     assert len(calls) == 2 * model.config.num_hidden_layers
     torch.testing.assert_close(logp, block, atol=1e-5, rtol=0)
     torch.testing.assert_close(entropy, block_entropy, atol=1e-5, rtol=0)

@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import train
+import logprobs
 from split_matmul import bf16_pieces, bf16_split, linears, split_linear
 
 
@@ -47,7 +47,7 @@ def test_six_products_are_as_accurate_as_fp32_and_three_are_not():
 
 
 def test_a_model_under_bf16_pieces_gives_its_fp32_log_probs(tiny_llama):
-    """train.token_logprobs on a tiny Llama: under bf16_pieces(6) every linear layer (its output
+    """logprobs.token_logprobs on a tiny Llama: under bf16_pieces(6) every linear layer (its output
     layer too) goes through split_linear, and the log-probs are fp32's; bf16 autocast's are far."""
     model = tiny_llama(128, num_attention_heads=4, num_key_value_heads=2).requires_grad_(False)
     with torch.no_grad():
@@ -57,10 +57,10 @@ def test_a_model_under_bf16_pieces_gives_its_fp32_log_probs(tiny_llama):
     mask = torch.ones(3, 24)
 
     def logp(dtype=torch.float32):
-        return train.token_logprobs(model, prompts, responses, mask, 1.0, dtype)[0].double()
+        return logprobs.token_logprobs(model, prompts, responses, mask, 1.0, dtype)[0].double()
 
-    truth = train.token_logprobs(model.double(), prompts, responses, mask, 1.0,
-                                 torch.float32)[0]
+    truth = logprobs.token_logprobs(model.double(), prompts, responses, mask, 1.0,
+                                    torch.float32)[0]
     model.float()
     fp32, bf16 = logp(), logp(torch.bfloat16)
     with bf16_pieces(6):
@@ -100,7 +100,7 @@ def test_every_linear_layer_is_replaced_however_it_is_called(tiny_llama):
 
 def test_the_trainers_bf16x6_passes_run_every_linear_layer_through_six_products(tiny_llama,
                                                                                 monkeypatch):
-    """--logprob-dtype bf16x6 (CUDA's default): train.no_grad_logprobs runs each micro-batch's
+    """--logprob-dtype bf16x6 (CUDA's default): logprobs.no_grad_logprobs runs each micro-batch's
     linear layers through split_linear with six products, not autocast, and gives what the same
     pass under bf16_pieces(6) gives."""
     import split_matmul
@@ -115,10 +115,10 @@ def test_the_trainers_bf16x6_passes_run_every_linear_layer_through_six_products(
         calls.append(terms)
         return split_linear(x, weight, bias, terms)
     monkeypatch.setattr(split_matmul, "split_linear", counted)
-    logp, entropy = train.no_grad_logprobs(model, prompts, responses, mask, 1.0, "bf16x6",
-                                           micro_batch=2, entropy=True)
+    logp, entropy = logprobs.no_grad_logprobs(model, prompts, responses, mask, 1.0, "bf16x6",
+                                              micro_batch=2, entropy=True)
     layers = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert calls == [6] * layers * 2  # two micro-batches: the group of two, then the third row
     with torch.no_grad(), bf16_pieces(6):
-        expected = train.token_logprobs(model, prompts, responses, mask, 1.0, torch.float32)[0]
+        expected = logprobs.token_logprobs(model, prompts, responses, mask, 1.0, torch.float32)[0]
     assert torch.equal(logp, expected) and entropy.shape == (3, 24)

@@ -145,11 +145,12 @@ def train(argv, patches=(), **setattrs):
     look at inside the run, recorded by wrapping two of train's helpers: the models (policy,
     sampler, reference) and the last step's no-grad log-prob passes (prompts, tokens, mask,
     policy_logp, ref_logp; exact_* for the pass of a later minibatch)."""
+    import logprobs
     import runtime
     import train as trainer
 
     run = {"reference": None}
-    make_sampler, no_grad_logprobs = runtime.make_sampler, trainer.no_grad_logprobs
+    make_sampler, no_grad_logprobs = runtime.make_sampler, logprobs.no_grad_logprobs
 
     def record_sampler(policy, *rest):
         run["policy"], run["sampler"] = policy, make_sampler(policy, *rest)
@@ -171,7 +172,7 @@ def train(argv, patches=(), **setattrs):
         with pytest.MonkeyPatch.context() as patch:
             patch.setenv("HF_HUB_OFFLINE", "1")
             patch.setattr(runtime, "make_sampler", record_sampler)
-            patch.setattr(trainer, "no_grad_logprobs", record_logprobs)
+            patch.setattr(logprobs, "no_grad_logprobs", record_logprobs)
             apply_patches(patches, patch.setattr)
             for target, value in setattrs.items():
                 patch.setattr(target.replace("__", "."), value)
@@ -262,7 +263,7 @@ def test_packed_logprobs_equal_one_forward_per_sequence():
     prompt + response on its own."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from train import token_logprobs
+    from logprobs import token_logprobs
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
@@ -312,10 +313,10 @@ def test_micro_batches_keep_groups_whole(groups, micro_batch):
     another group's length. At the 1-GPU recipe's shapes (groups of 5, --micro-batch 8, responses
     of 1,024 tokens after prompts of 160) the passes compute one pack per group: 84,480 positions
     where plain slices of 8 rows computed 122,624."""
-    import train as trainer
+    import logprobs
 
     prompts = [[g] * 160 for g, n in enumerate(groups) for _ in range(n)]
-    sizes = trainer.micro_batch_sizes(prompts, micro_batch)
+    sizes = logprobs.micro_batch_sizes(prompts, micro_batch)
     assert sum(sizes) == len(prompts) and max(sizes) <= micro_batch
     start = 0
     for size in sizes:
@@ -330,7 +331,7 @@ def test_micro_batches_keep_groups_whole(groups, micro_batch):
 
         def positions(slices):
             return sum(len(packs) * L for packs, _, L, _, _ in
-                       (trainer.pack_layout(prompts[a:b], mask[a:b]) for a, b in slices))
+                       (logprobs.pack_layout(prompts[a:b], mask[a:b]) for a, b in slices))
         ours = [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(len(sizes))]
         plain = [(a, a + micro_batch) for a in range(0, len(prompts), micro_batch)]
         assert (positions(ours), positions(plain)) == (84_480, 122_624)
@@ -631,7 +632,7 @@ def test_bf16_compute_keeps_kl_and_ratio_at_the_fp32_floor(tiny, tmp_path, logpr
     fast way) is off by the rounding of logits near 40 (bf16 spacing 0.25 there): far above the
     floor, which is what the flag trades."""
     from model import load_model
-    from train import token_logprobs
+    from logprobs import token_logprobs
 
     run = train(flags(tiny, tmp_path, "--steps", "2", "--dtype", "bfloat16",
                       "--logprob-dtype", logprob_dtype,
@@ -665,7 +666,7 @@ def test_bf16_gradient_pass_takes_its_values_from_the_fp32_pass(tiny, tmp_path):
     run = train(flags(tiny, tmp_path / "minibatches", "--steps", "2", "--dtype", "bfloat16",
                       "--kl", "k3", "--place", "loss", "--minibatches", "2", "--micro-batch", "3",
                       "--lr", "1e-2"))
-    from train import token_logprobs
+    from logprobs import token_logprobs
 
     rows = slice(len(run["prompts"]) - len(run["exact_prompts"]), None)  # the last minibatch
     with torch.no_grad():
@@ -830,9 +831,9 @@ def test_resume_refuses_another_resolved_dtype(tiny, tmp_path):
 def test_entropy_only_where_it_is_read(tiny, tmp_path):
     """The entropy (a (B, T, vocab) temporary) is computed in the policy's first no-grad pass only,
     which logs it: not in the reference pass, a later minibatch's pass or the gradient pass."""
-    import train as trainer
+    import logprobs
 
-    token_logprobs, calls = trainer.token_logprobs, []
+    token_logprobs, calls = logprobs.token_logprobs, []
 
     def recording(model, *args, **kwargs):
         calls.append((model, torch.is_grad_enabled(), bool(args[5:] and args[5]
@@ -840,7 +841,7 @@ def test_entropy_only_where_it_is_read(tiny, tmp_path):
         return token_logprobs(model, *args, **kwargs)
 
     run = train(flags(tiny, tmp_path, "--steps", "1", "--minibatches", "2", "--micro-batch", "8",
-                      "--dtype", "bfloat16"), train__token_logprobs=recording)
+                      "--dtype", "bfloat16"), logprobs__token_logprobs=recording)
     with_entropy = [(model, grad) for model, grad, entropy in calls if entropy]
     assert with_entropy == [(run["policy"], False)] * 2  # 16 rows, micro-batches of 8
     assert any(model is run["reference"] for model, _, _ in calls)
@@ -977,21 +978,21 @@ def test_the_recipes_in_docs_gpu_md_parse(monkeypatch):
 
 def test_a_no_grad_pass_leaves_an_fsdp_model_resharded(tiny_llama, tmp_path):
     """FSDP2 keeps a root's weights (embeddings, output layer) gathered after its forward until its
-    backward; the reference never runs one, so without train.no_grad_logprobs's reshard its root
+    backward; the reference never runs one, so without logprobs.no_grad_logprobs's reshard its root
     stayed gathered for the whole run (4.4 GB a rank at 7B). One process, gloo."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    import logprobs
     import runtime
-    import train
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)
     try:
         model = runtime.shard(tiny_llama(vocab_size=50).requires_grad_(False))
         responses = torch.randint(1, 50, (2, 5))
-        train.no_grad_logprobs(model, [[1, 2, 3]] * 2, responses, torch.ones(2, 5), 1.0,
-                               torch.float32, micro_batch=2)
+        logprobs.no_grad_logprobs(model, [[1, 2, 3]] * 2, responses, torch.ones(2, 5), 1.0,
+                                  torch.float32, micro_batch=2)
         weights = [model.model.embed_tokens.weight, model.lm_head.weight,
                    model.model.layers[0].mlp.up_proj.weight]
         assert all(isinstance(weight, DTensor) for weight in weights), [type(w) for w in weights]

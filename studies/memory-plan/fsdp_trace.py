@@ -49,9 +49,9 @@ def trace_worker(path):
     import torch.distributed as dist
     from torch.distributed.fsdp._fully_shard import _fsdp_param
 
+    import logprobs
     import model
     import runtime
-    import train
     from lab import memory_plan
 
     class Tracker(memory_plan.LiveBytes):
@@ -104,10 +104,10 @@ def trace_worker(path):
         with tracker:
             tracker.window = "no-grad pass"
             with torch.no_grad():
-                train.token_logprobs(policy, prompts, responses, mask, 1.0, torch.float32, True)
-            policy.reshard()  # as train.no_grad_logprobs does
+                logprobs.token_logprobs(policy, prompts, responses, mask, 1.0, torch.float32, True)
+            policy.reshard()  # as logprobs.no_grad_logprobs does
             tracker.window = "gradient pass, forward"
-            logp, _ = train.token_logprobs(policy, prompts, responses, mask, 1.0, torch.float32)
+            logp, _ = logprobs.token_logprobs(policy, prompts, responses, mask, 1.0, torch.float32)
             tracker.window = "gradient pass, backward"
             logp.sum().backward()
         if dist.get_rank() == 0 and step == 1:

@@ -29,7 +29,7 @@ with tempfile.NamedTemporaryFile("w", suffix=".py") as file:
     spec = importlib.util.spec_from_file_location("train_18d3475", file.name)
     old = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(old)
-memory_plan.train = old  # traced_passes and real_layout read train.token_logprobs, pack_layout
+memory_plan.logprobs = old  # traced_passes and real_layout read token_logprobs, pack_layout
 
 from transformers import Qwen2Config  # noqa: E402
 

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import data  # noqa: E402
+import logprobs  # noqa: E402
 import segment_attention  # noqa: E402
-import train  # noqa: E402
 from model import load_model, load_tokenizer  # noqa: E402
 
 FOUR_D = segment_attention.segment_attention
@@ -67,8 +67,8 @@ for round_ in range(4):
         by_segments, function = variants[name]
         segment_attention.segment_attention = function
         started = time.process_time()
-        logp[name] = train.no_grad_logprobs(model, prompts, responses, mask, 1.0, torch.float32, 8,
-                                            entropy=True, by_segments=by_segments)[0]
+        logp[name] = logprobs.no_grad_logprobs(model, prompts, responses, mask, 1.0, torch.float32,
+                                               8, entropy=True, by_segments=by_segments)[0]
         seconds[name].append(time.process_time() - started)
 
 

@@ -1,0 +1,148 @@
+"""Step 3 of train.py: log pi(y_t | x, y<t) of every sampled token, a forward pass a micro-batch.
+
+The trainer runs this pass three times a step: under the policy and the reference with no gradient
+(no_grad_logprobs: the values that feed kl.py's estimators, the ratio and the reward's shaping; fp32
+by default, docs/precision.md), and under the policy with a gradient (token_logprobs, in
+train.update). Each RLOO group is one packed sequence (pack_layout): its prompt once, then each
+response in its own length, every response attending to the prompt and to its own earlier tokens,
+so a token sees exactly what it would see alone. Micro-batches keep a group whole
+(micro_batch_sizes). segment_attention.py computes the same attention without the pack's dense mask.
+"""
+import contextlib
+import itertools
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+import runtime
+import segment_attention
+import split_matmul
+
+
+def pack_layout(prompts, response_mask):
+    """How token_logprobs packs the rows: (packs, P, L, pack_of_row, kept_column). Runs of rows with
+    the same prompt (an RLOO group is contiguous) share a pack, a list of (row, offset, length):
+    the prompt once, left-padded to the width P, then each response in its own `length` columns
+    (up to its last response token: padding takes no column) at P + offset. L is the longest
+    pack. The logits kept start at column P - 1 (the prompt's last, which predicts every
+    response's token 0); kept_column (B, T) is the kept index that predicts token t of each row
+    (0 past its length, where the mask is 0)."""
+    B, T = response_mask.shape
+    t = torch.arange(1, T + 1)
+    # each row's length: up to its last response token
+    lengths = torch.where(response_mask.detach().cpu() != 0, t, 0).max(1).values.tolist()
+    packs = []  # (prompt, [(row, offset, length), ...])
+    for row, prompt in enumerate(prompts):
+        if not packs or packs[-1][0] != prompt:
+            packs.append((prompt, []))
+        members = packs[-1][1]
+        offset = members[-1][1] + members[-1][2] if members else 0
+        members.append((row, offset, lengths[row]))
+    P = max(len(prompt) for prompt, _ in packs)
+    L = P + max(offset + length for _, members in packs for _, offset, length in members[-1:])
+    pack_of_row, kept_column = torch.zeros(B, dtype=torch.long), torch.zeros(B, T, dtype=torch.long)
+    for j, (_, members) in enumerate(packs):
+        for row, offset, length in members:
+            pack_of_row[row] = j
+            # token t >= 1 is predicted by column P + offset + t - 1: kept index offset + t
+            kept_column[row, 1:length] = offset + torch.arange(1, length)
+    return packs, P, L, pack_of_row, kept_column
+
+
+def token_logprobs(model, prompts, responses, response_mask, temperature, dtype, entropy=False,
+                   by_segments=False):
+    """log pi(y_t | x, y<t) of each response token, (B, T) in fp32, and with entropy=True the
+    entropy of pi there (detached; else None: the gradient pass skips its two (B, T, vocab)
+    temporaries). by_segments: attention computed only where the mask allows (segment_attention.py),
+    the same values to float rounding (~3e-5 on SmolLM2: another order of fp32 sums); a gradient
+    pass by segments under activation checkpointing keeps segment_attention.attention(model) around
+    its backward too (the recomputation runs there).
+
+    Rows with the same prompt (an RLOO group is contiguous) are packed into one sequence
+    (pack_layout): the prompt once, then each of its responses in its own length, every response
+    attending to the prompt and to its own earlier tokens only (a block attention mask, position
+    ids restarting after the prompt). Each token sees exactly what it would see in its own
+    sequence, but the prompt is computed once per group instead of G times, and padding after a
+    response's end is not computed at all. Prompts are left-padded, so the responses start at
+    column P and only the columns from P - 1 on reach the output layer.
+    """
+    runtime.return_freed_memory()  # the last pass's temporaries: only live tensors stay resident
+    packs, P, L, pack_of_row, kept_column = pack_layout(prompts, response_mask)
+    device = responses.device
+    input_ids = torch.zeros(len(packs), L, dtype=torch.long, device=device)
+    position_ids = torch.zeros_like(input_ids)
+    # allowed[j, query, key]: padding sees itself only
+    allowed = torch.eye(L, dtype=torch.bool, device=device).repeat(len(packs), 1, 1)
+    for j, (prompt, members) in enumerate(packs):
+        start, n = P - len(prompt), len(prompt)
+        input_ids[j, start:P] = torch.tensor(prompt)
+        position_ids[j, start:P] = torch.arange(n)
+        allowed[j, start:P, start:P] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        for row, offset, length in members:
+            columns = slice(P + offset, P + offset + length)
+            input_ids[j, columns] = responses[row, :length]
+            position_ids[j, columns] = torch.arange(n, n + length)
+            allowed[j, columns, start:P] = True
+            allowed[j, columns, columns] = torch.ones(length, length, dtype=torch.bool,
+                                                      device=device).tril()
+    segments, attention = {}, contextlib.nullcontext()
+    if by_segments:  # only the pairs `allowed` lets through, pack by pack (segment_attention.py)
+        segments = {"segments": segment_attention.layout(packs, P)}
+        attention = segment_attention.attention(model)
+    # no cast cache: each weight is used once per forward, and a cache would hold a bf16 copy of all
+    # of them (0.25 GiB) through the pass
+    with (torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32,
+                         cache_enabled=False), attention):
+        logits = model(input_ids=input_ids, attention_mask=allowed.unsqueeze(1),
+                       position_ids=position_ids, use_cache=False, logits_to_keep=L - P + 1,
+                       **segments).logits
+    logits = logits[pack_of_row[:, None].to(device), kept_column.to(device)]  # (B, T, vocab)
+    logits = logits.float() if temperature == 1 else logits.float() / temperature  # no copy at 1
+    logp_all = logits.log_softmax(-1)
+    del logits  # the entropy's (B, T, vocab) temporary takes its place: two such tensors at a time
+    logp = logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    if not entropy:
+        return logp * response_mask, None
+    with torch.no_grad():
+        entropy = -logp_all.exp().mul_(logp_all).sum(-1)  # one (B, T, vocab) temporary, not two
+    return logp * response_mask, entropy * response_mask
+
+
+def micro_batch_sizes(prompts, micro_batch):
+    """The rows' micro-batches, as sizes of consecutive runs: at most `micro_batch` rows each, and
+    an RLOO group (a run of rows with the same prompt) never split across two unless it is larger
+    than `micro_batch`. token_logprobs pads every pack of a micro-batch to the longest, so a
+    micro-batch that straddled two groups computed up to a group's length twice: 1.5x the response
+    tokens at the 1-GPU recipe's --group-size 5 --micro-batch 8 (docs/benchmarks.md)."""
+    sizes, joinable = [], False  # joinable: the last micro-batch holds whole groups only
+    for _, run in itertools.groupby(map(tuple, prompts)):
+        group = len(list(run))
+        if joinable and sizes[-1] + group <= micro_batch:
+            sizes[-1] += group
+            continue
+        full, rest = divmod(group, micro_batch)
+        sizes += [micro_batch] * full + [rest] * (rest > 0)
+        joinable = full == 0
+    return sizes
+
+
+def no_grad_logprobs(model, prompts, responses, response_mask, temperature, dtype, micro_batch,
+                     entropy=False, by_segments=False):
+    """token_logprobs (and with entropy=True the entropies, else None) of the whole batch,
+    micro-batch by micro-batch (micro_batch_sizes), no gradient. dtype "bf16x6": fp32 whose linear
+    layers' matmuls are six bf16 tensor-core products (split_matmul.py), CUDA's default.
+    by_segments: token_logprobs'; off in train.py, whose gradient pass (faster with the block mask
+    on an H200) then computes attention as these passes do."""
+    parts, start = [], 0
+    pieces = contextlib.nullcontext()
+    if dtype == "bf16x6":
+        pieces, dtype = split_matmul.bf16_pieces(6), torch.float32
+    with torch.no_grad(), pieces:
+        for size in micro_batch_sizes(prompts, micro_batch):
+            rows, start = slice(start, start + size), start + size
+            parts.append(token_logprobs(model, prompts[rows], responses[rows], response_mask[rows],
+                                        temperature, dtype, entropy, by_segments))
+    if isinstance(model, FSDPModule):  # FSDP2 keeps a root gathered after a forward until its
+        model.reshard()  # backward, which a no-grad pass never runs (4.4 GB a rank at 7B)
+    logp, entropies = zip(*parts)
+    return torch.cat(logp), torch.cat(entropies) if entropy else None

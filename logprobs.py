@@ -87,7 +87,7 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
                                                       device=device).tril()
     segments, attention = {}, contextlib.nullcontext()
     if by_segments:  # only the pairs `allowed` lets through, pack by pack (segment_attention.py)
-        segments = {"segments": segment_attention.layout(packs, P)}
+        segments = {"segments": segment_attention.layout(packs, P, L, device)}
         attention = segment_attention.attention(model)
     # no cast cache: each weight is used once per forward, and a cache would hold a bf16 copy of all
     # of them (0.25 GiB) through the pass

@@ -1,73 +1,93 @@
-"""Attention by segments: logprobs.token_logprobs' packed passes compute only the pairs the pack's
+"""Attention by sequences: logprobs.token_logprobs' packed passes compute only the pairs the pack's
 mask lets through, when asked (by_segments; issue 35).
 
 logprobs.token_logprobs packs an RLOO group as one sequence, the prompt once and then each response,
 with a block mask (pack_layout); SDPA under that mask computes every (query, key) pair of the L x L
 pack, although the mask lets few through (12.4% at the 1-GPU recipe's shapes: a pack of 160 prompt
-tokens and 5 responses of 1,024).
-By segments, each pack's attention is computed piece by piece:
-- the prompt over itself, causal (`is_causal`);
-- each response over the prompt and its own earlier tokens: the causal mask aligned to the
-  bottom-right corner of its (n, P + n) block, query i seeing keys 0 .. P + i (a boolean mask:
-  PyTorch's `causal_lower_right` object does not survive a TorchDispatchMode such as
-  lab/bench_train.py's op count);
-- padding over itself (its output is its own value, as under the block mask; no real token sees it).
-So only the allowed pairs are computed (and each response's prompt block): the same attention as
-the block mask, the same log-probs to float rounding (tests/test_segment_attention.py).
+tokens and 5 responses of 1,024), and a mask keeps SDPA off its flash kernel.
+By sequences, the attention (only the attention: the linear layers still see each prompt token
+once) takes each response as the sequence it stands for, its prompt and then itself, gathered from
+the pack's queries, keys and values (rope is already in them):
+- plain causal attention over it (`is_causal`, no mask: SDPA's flash kernel on a GPU, in bf16; the
+  memory-efficient one in fp32; a CPU's flash kernel), a query seeing its prompt and its own
+  earlier tokens, exactly what the block mask lets it see;
+- the responses of similar lengths batched together (SEQUENCE_BUCKET), right-padded: padding comes
+  last, so under the causal mask no real position sees it;
+- the prompt's columns take their output from the pack's first sequence; padding's output is 0
+  (the block mask's padding saw itself; no real token sees it and no log-prob reads it).
+So each response's attention is that of its own sequence, the same log-probs to float rounding
+(tests/test_segment_attention.py). It computes about R x S^2 / 2 pairs (R responses, S = prompt +
+response) where the block mask computes L^2 a pack: at the recipe's pack, 3.5M against 27.9M. The
+prompt's own pairs are computed once for each of its responses: where prompts are long and
+responses short (500 tokens against 5 x 20) that is more than the block mask's.
 
-Measured on an H200 at the Qwen2.5-1.5B shape (docs/benchmarks.md), when each segment went to SDPA
-as a 3-D tensor (its math kernels): a no-grad pass took 0.87 of the block mask's time in fp32 and
-0.84 in bf16x6, a gradient pass 1.22. Since, the segments are 4-D, so SDPA may pick a fused kernel
-(a CPU's flash kernel does): at the default run's shapes, on one CPU thread, a no-grad pass by
-segments took 1.003 of the block mask's time, 1.096 in 3-D (studies/segments-cpu); not yet on a GPU.
-train.py keeps the block mask in every pass for now: the values of the KL in the reward (no-grad
-passes) and in the loss (the gradient pass, whose own values it uses where the two passes share a
-dtype) come from one computation, and the gradient pass was slower by segments. The rule that
+Measured on an H200 at the Qwen2.5-1.5B shape (docs/benchmarks.md), in an earlier version (each
+segment a 3-D tensor under a boolean mask, SDPA's math kernels): a no-grad pass took 0.87 of the
+block mask's time in fp32, a gradient pass 1.22. train.py keeps the block mask in every pass for
+now: the values of the KL in the reward (no-grad passes) and in the loss (the gradient pass, whose
+own values it uses where the two passes share a dtype) come from one computation. The rule that
 decides at the next GPU measurement, and its prediction, are registered in docs/benchmarks.md.
 `attention(model)` makes segment_attention `model`'s attention function inside a `with` (a
 transformers attention function: the model's forward passes its `segments` keyword down to it).
 """
+import collections
 import contextlib
 
 import torch
 import torch.nn.functional as F
 
 NAME = "packed_segments"
+SEQUENCE_BUCKET = 128  # sequences whose lengths round up to the same multiple share one SDPA call
 
 
-def layout(packs, P):
-    """Each pack's segments, from logprobs.pack_layout's packs: (the prompt's first column, P, the
-    responses' [first column, end) spans)."""
-    return [(P - len(prompt), P, [(P + offset, P + offset + length)
-                                  for _, offset, length in members])
-            for prompt, members in packs]
+def layout(packs, P, L, device):
+    """The sequences of logprobs.pack_layout's packs (prompts left-padded to P, packs of L columns):
+    (buckets, source). Each bucket is (pack (R,), column (R, S)): sequence r is pack[r]'s columns
+    column[r], its prompt's then its response's, then padding (column 0) up to the bucket's longest
+    S. source (packs, L) is the row of the buckets' outputs, flattened and concatenated, then a
+    zero row, that each pack column takes."""
+    by_size = collections.defaultdict(list)  # the sequences, (pack, first of its pack?, columns)
+    for j, (prompt, members) in enumerate(packs):
+        for i, (_, offset, length) in enumerate(members):
+            columns = list(range(P - len(prompt), P)) + list(range(P + offset, P + offset + length))
+            by_size[-(-len(columns) // SEQUENCE_BUCKET)].append((j, i == 0, columns))
+    buckets, source, row = [], [], 0
+    for _, members in sorted(by_size.items()):
+        S = max(len(columns) for _, _, columns in members)
+        column = torch.zeros(len(members), S, dtype=torch.long)
+        for r, (j, first, columns) in enumerate(members):
+            column[r, :len(columns)] = torch.tensor(columns)
+            # the prompt's columns from the pack's first sequence, the response's from its own
+            kept = columns if first else columns[len(packs[j][0]):]
+            source += [(j, c, row + r * S + len(columns) - len(kept) + i)
+                       for i, c in enumerate(kept)]
+        buckets.append((torch.tensor([j for j, _, _ in members], device=device),
+                        column.to(device)))
+        row += len(members) * S
+    rows = torch.full((len(packs), L), row, dtype=torch.long)  # row: the zero row
+    if source:
+        j, c, r = torch.tensor(source).T
+        rows[j, c] = r
+    return buckets, rows.to(device)
 
 
 def segment_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                      segments=(), **kwargs):
+                      segments=None, **kwargs):
     """transformers' attention interface: query (packs, heads, L, d), key and value (packs,
-    kv_heads, L, d); returns (packs, L, heads, d). The mask is ignored: `segments` (layout's, one
-    entry a pack) says the same."""
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    packs = []
-    for j, (start, P, responses) in enumerate(segments):
-        # (1, heads, L, d): 4-D, so that SDPA may pick a fused kernel (3-D runs its math)
-        q, k, v = query[j:j + 1], key[j:j + 1], value[j:j + 1]
-        parts = [v[:, :, :start],  # left padding: itself
-                 F.scaled_dot_product_attention(q[:, :, start:P], k[:, :, start:P],
-                                                v[:, :, start:P], is_causal=True, scale=scaling)]
-        for first, end in responses:
-            keys = torch.cat([k[:, :, start:P], k[:, :, first:end]], 2)
-            values = torch.cat([v[:, :, start:P], v[:, :, first:end]], 2)
-            mask = torch.ones(end - first, keys.shape[2], dtype=torch.bool,
-                              device=q.device).tril(keys.shape[2] - (end - first))
-            parts.append(F.scaled_dot_product_attention(q[:, :, first:end], keys, values,
-                                                        attn_mask=mask, scale=scaling))
-        last = responses[-1][1] if responses else P
-        parts.append(v[:, :, last:])  # right padding (shorter packs): itself
-        packs.append(torch.cat(parts, 2))
-    return torch.cat(packs).transpose(1, 2).contiguous(), None
+    kv_heads, L, d); returns (packs, L, heads, d). The mask is ignored: `segments` (layout's) says
+    the same."""
+    buckets, source = segments
+    outputs = []
+    for pack, column in buckets:
+        # the bucket's sequences, (R, heads, S, d), gathered from their packs' columns
+        q, k, v = (x.transpose(1, 2)[pack[:, None], column].transpose(1, 2)
+                   for x in (query, key, value))
+        groups = q.shape[1] // k.shape[1]  # grouped-query attention: each kv head serves `groups`
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
+        outputs.append(out.transpose(1, 2).flatten(0, 1))  # (R * S, heads, d)
+    outputs.append(query.new_zeros(1, query.shape[1], query.shape[3]))  # padding's output
+    return torch.cat(outputs)[source], None
 
 
 @contextlib.contextmanager

@@ -387,10 +387,10 @@ def attention_part(args, shape, device, peak):
         result[name] |= {"gradient_pass_s": grad_s, "gradient_peak_bytes": grad_peak}
         if by_segments:  # with fp32 matmuls from bf16 pieces too (docs/precision.md)
             logprobs.no_grad_logprobs(model, prompts[warm], responses[warm], mask[warm], 1.0,
-                                      "bf16x6", args.micro_batch)
+                                      "bf16x6", args.micro_batch, by_segments=True)
             _, result[name]["nograd_bf16x6_s"], _ = timed(
                 device, logprobs.no_grad_logprobs, model, prompts, responses, mask, 1.0, "bf16x6",
-                args.micro_batch)
+                args.micro_batch, by_segments=True)
 
     for name in ("block_mask", "segments"):
         try:

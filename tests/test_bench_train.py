@@ -39,6 +39,20 @@ def test_every_part_reports_on_a_cpu(tmp_path, one_thread):
                                                if isinstance(v, dict) and v.get("s")}
 
 
+def test_the_attention_part_passes_as_it_labels_them(tmp_path, one_thread, monkeypatch):
+    """--parts attention: the block mask's no-grad passes with the mask, the segments' (fp32 and
+    bf16x6 alike) by segments."""
+    passes, no_grad_logprobs = [], logprobs.no_grad_logprobs
+
+    def recorded(*args, **kwargs):
+        passes.append((args[5], kwargs.get("by_segments", False)))
+        return no_grad_logprobs(*args, **kwargs)
+    monkeypatch.setattr(logprobs, "no_grad_logprobs", recorded)
+    bench_train.main([*TINY, "--parts", "attention", "--out", str(tmp_path / "b.json")])
+    assert sorted(set(passes), key=str) == [("bf16x6", True), (torch.float32, False),
+                                            (torch.float32, True)], passes
+
+
 def test_the_profile_part_says_where_a_groups_passes_spend_their_time(tmp_path, one_thread):
     """--parts profile: one group's gradient pass and no-grad pass under torch.profiler (a CPU's
     ops here), its matmuls among the largest, the kernels' time at most the wall time."""

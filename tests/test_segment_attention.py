@@ -3,7 +3,7 @@
 Two packs of different lengths (the shorter one right-padded), prompts of different lengths (the
 shorter one left-padded), responses that end early, for tiny Llama, Qwen2 and Qwen3 models with
 grouped-query attention, in fp32: the log-probs, entropies and the parameter gradient equal the
-block mask's, and the segment function is the one that ran only where asked (train.py keeps the
+block mask's, with the sequences in one SDPA call or in several, and the segment function is the one that ran only where asked (train.py keeps the
 block mask in every pass)."""
 import pytest
 import torch
@@ -35,8 +35,12 @@ def calls(monkeypatch):
     return calls
 
 
+@pytest.mark.parametrize("bucket", [128, 4])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_segments_equal_the_block_mask(family, calls):
+def test_segments_equal_the_block_mask(family, bucket, calls, monkeypatch):
+    """In one SDPA call a layer (the sequences' lengths, 3 to 15, share a bucket of 128), and in
+    three (buckets of 4 tokens: sequences right-padded to different lengths)."""
+    monkeypatch.setattr(segment_attention, "SEQUENCE_BUCKET", bucket)
     model = tiny_model(family)
     responses, mask = batch(model)
     implementation = model.config._attn_implementation

@@ -7,8 +7,9 @@
 # in .gpu/w/smollm2). Then one training step's phases at the 1.5B and 0.5B shapes as train.py now runs
 # them (no-grad passes in bf16x6), for the targets' MFU and share; where one group's gradient pass and
 # no-grad pass spend their time at 1.5B (the first profile of the trainer on a GPU: why 16% MFU); and
-# attention by segments against the block mask, its segments now 4-D (a fused SDPA kernel, where the
-# H200 ran 3-D ones on its math kernels), in both passes. Carrying .gpu/w.
+# attention by segments against the block mask, each response now its own causal sequence (SDPA's
+# flash kernel in bf16, no mask; the H200 ran 3-D segments on its math kernels), in both passes: the
+# rule registered in docs/benchmarks.md decides train.py's attention on CUDA. Carrying .gpu/w.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gpu/w/*.whl || exit 1
 export PYTHONPATH=/tmp/site

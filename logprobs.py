@@ -53,10 +53,10 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
                    by_segments=False):
     """log pi(y_t | x, y<t) of each response token, (B, T) in fp32, and with entropy=True the
     entropy of pi there (detached; else None: the gradient pass skips its two (B, T, vocab)
-    temporaries). by_segments: attention computed only where the mask allows (segment_attention.py),
-    the same values to float rounding (~3e-5 on SmolLM2: another order of fp32 sums); a gradient
-    pass by segments under activation checkpointing keeps segment_attention.attention(model) around
-    its backward too (the recomputation runs there).
+    temporaries). by_segments: attention by sequences, each response with its prompt, causal, no
+    mask (segment_attention.py), the same values to float rounding (~4e-5 on SmolLM2: another order
+    of fp32 sums); a gradient pass by segments under activation checkpointing keeps
+    segment_attention.attention(model) around its backward too (the recomputation runs there).
 
     Rows with the same prompt (an RLOO group is contiguous) are packed into one sequence
     (pack_layout): the prompt once, then each of its responses in its own length, every response
@@ -86,7 +86,7 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
             allowed[j, columns, columns] = torch.ones(length, length, dtype=torch.bool,
                                                       device=device).tril()
     segments, attention = {}, contextlib.nullcontext()
-    if by_segments:  # only the pairs `allowed` lets through, pack by pack (segment_attention.py)
+    if by_segments:  # what `allowed` allows, as each response's own sequence (segment_attention.py)
         segments = {"segments": segment_attention.layout(packs, P, L, device)}
         attention = segment_attention.attention(model)
     # no cast cache: each weight is used once per forward, and a cache would hold a bf16 copy of all

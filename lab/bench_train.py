@@ -363,10 +363,10 @@ def attention_part(args, shape, device, peak):
     result = {"shape": shape, "rows": len(prompts)}
     logps, warm = {}, slice(0, args.group_size)
 
-    def gradient_pass(by_segments):
+    def gradient_pass(by_segments, micro_batches=None):
         # by segments around the backward too: activation checkpointing recomputes the forward there
         with segment_attention.attention(model) if by_segments else contextlib.nullcontext():
-            for start, size in zip(*micro_batch_starts(prompts, args.micro_batch)):
+            for start, size in micro_batches or zip(*micro_batch_starts(prompts, args.micro_batch)):
                 rows = slice(start, start + size)
                 logp, _ = logprobs.token_logprobs(model, prompts[rows], responses[rows], mask[rows],
                                                   1.0, dtype, by_segments=by_segments)
@@ -383,6 +383,8 @@ def attention_part(args, shape, device, peak):
             args.micro_batch, by_segments=by_segments)
         result[name] = {"nograd_s": nograd_s, "nograd_peak_bytes": nograd_peak,
                         "attention_ops_nograd": ops}  # kept if the gradient pass fails
+        result[name]["attention_ops_gradient"] = attention_ops(  # one group, forward and backward
+            gradient_pass, by_segments, [(0, args.group_size)])
         _, grad_s, grad_peak = timed(device, gradient_pass, by_segments)
         result[name] |= {"gradient_pass_s": grad_s, "gradient_peak_bytes": grad_peak}
         if by_segments:  # with fp32 matmuls from bf16 pieces too (docs/precision.md)

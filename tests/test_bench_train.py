@@ -34,6 +34,9 @@ def test_every_part_reports_on_a_cpu(tmp_path, one_thread):
     attention = report["parts"]["attention/tiny"]  # block mask against segments: the same log-probs
     assert "error" not in attention and attention["max_abs_logp_difference"] < 1e-5
     assert all(attention[way]["nograd_s"] > 0 for way in ("block_mask", "segments"))
+    for way in ("block_mask", "segments"):  # which SDPA kernel each way ran, in both passes
+        for passes in ("attention_ops_nograd", "attention_ops_gradient"):
+            assert any("scaled_dot_product" in op for op in attention[way][passes]), attention[way]
     assert attention["segments"]["nograd_bf16x6_s"] > 0
     assert {"float32", "tf32", "bf16x6", "bfloat16"} <= {k for k, v in precision.items()
                                                if isinstance(v, dict) and v.get("s")}

@@ -45,7 +45,7 @@ def pack_layout(prompts, response_mask):
         for row, offset, length in members:
             pack_of_row[row] = j
             # token t >= 1 is predicted by column P + offset + t - 1: kept index offset + t
-            kept_column[row, 1:length] = offset + torch.arange(1, length)
+            kept_column[row, 1:length] = offset + torch.arange(1, max(length, 1))
     return packs, P, L, pack_of_row, kept_column
 
 

@@ -77,6 +77,9 @@ def segment_attention(module, query, key, value, attention_mask, scaling=None, d
     kv_heads, L, d); returns (packs, L, heads, d). The mask is ignored: `segments` (layout's) says
     the same."""
     buckets, source = segments
+    if torch.is_autocast_enabled(query.device.type):  # SDPA would cast q, k, v: gather them cast
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     outputs = []
     for pack, column in buckets:
         # the bucket's sequences, (R, heads, S, d), gathered from their packs' columns
@@ -86,7 +89,7 @@ def segment_attention(module, query, key, value, attention_mask, scaling=None, d
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling)
         outputs.append(out.transpose(1, 2).flatten(0, 1))  # (R * S, heads, d)
-    outputs.append(query.new_zeros(1, query.shape[1], query.shape[3]))  # padding's output
+    outputs.append(outputs[-1].new_zeros(1, *outputs[-1].shape[1:]))  # padding's output
     return torch.cat(outputs)[source], None
 
 

@@ -18,8 +18,8 @@ memory do not depend on the weights), through the trainer's own functions:
 - attention_ops_*: the attention ops one group's passes dispatch (AttentionOps), which says which SDPA
   kernel runs under the packed block mask, or whether the math fallback builds the L x L scores.
 - attention: at the 1.5B shape, the no-grad and the gradient pass with the block mask (train.py's,
-  in every pass) and by segments (segment_attention.py, computing only the pairs the mask allows),
-  timed, with peak memory and the log-probs' largest difference.
+  in every pass) and by segments (segment_attention.py: each response attends as its own sequence),
+  timed, with peak memory, each pass's attention ops and the log-probs' largest difference.
 - profile (not in the default --parts): where one group's passes spend their time at the 1.5B shape,
   torch.profiler's kernels (a CPU's ops) largest first: the gradient pass (forward and backward,
   activation checkpointing on, as train.py runs it) and the no-grad pass (train.py's --logprob-dtype

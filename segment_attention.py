@@ -32,6 +32,7 @@ transformers attention function: the model's forward passes its `segments` keywo
 """
 import collections
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
@@ -50,25 +51,24 @@ def layout(packs, P, L, device):
     for j, (prompt, members) in enumerate(packs):
         for i, (_, offset, length) in enumerate(members):
             columns = list(range(P - len(prompt), P)) + list(range(P + offset, P + offset + length))
-            by_size[-(-len(columns) // SEQUENCE_BUCKET)].append((j, i == 0, columns))
-    buckets, source, row = [], [], 0
+            by_size[math.ceil(len(columns) / SEQUENCE_BUCKET)].append((j, i == 0, columns))
+    buckets, placed, offset = [], [], 0  # placed: (pack, column, the outputs' row it takes)
     for _, members in sorted(by_size.items()):
         S = max(len(columns) for _, _, columns in members)
         column = torch.zeros(len(members), S, dtype=torch.long)
         for r, (j, first, columns) in enumerate(members):
             column[r, :len(columns)] = torch.tensor(columns)
             # the prompt's columns from the pack's first sequence, the response's from its own
-            kept = columns if first else columns[len(packs[j][0]):]
-            source += [(j, c, row + r * S + len(columns) - len(kept) + i)
-                       for i, c in enumerate(kept)]
+            start = 0 if first else len(packs[j][0])
+            placed += [(j, c, offset + r * S + i) for i, c in enumerate(columns) if i >= start]
         buckets.append((torch.tensor([j for j, _, _ in members], device=device),
                         column.to(device)))
-        row += len(members) * S
-    rows = torch.full((len(packs), L), row, dtype=torch.long)  # row: the zero row
-    if source:
-        j, c, r = torch.tensor(source).T
-        rows[j, c] = r
-    return buckets, rows.to(device)
+        offset += len(members) * S
+    source = torch.full((len(packs), L), offset, dtype=torch.long)  # offset: the zero row's
+    if placed:
+        j, c, r = torch.tensor(placed).T
+        source[j, c] = r
+    return buckets, source.to(device)
 
 
 def segment_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 import logprobs  # noqa: E402
 import segment_attention  # noqa: E402
-from lab.bench_train import set_checkpointing  # noqa: E402
+from lab.bench_train import micro_batch_starts, set_checkpointing  # noqa: E402
 from model import load_model, load_tokenizer  # noqa: E402
 from rollout_at import module_at  # noqa: E402
 
@@ -64,8 +64,7 @@ mask = torch.ones(len(prompts), 40)
 for row in range(0, len(prompts), 3):
     mask[row, 20 + row % 17:] = 0
 responses = responses * mask.long()
-sizes = logprobs.micro_batch_sizes(prompts, 8)
-starts = [sum(sizes[:i]) for i in range(len(sizes))]
+starts, sizes = micro_batch_starts(prompts, 8)
 print(f"{len(prompts)} rows, prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
       f"{int(mask.sum())} response tokens, torch {torch.__version__}, {ROUNDS} rounds")
 seconds = {(name, part): [] for name in VARIANTS for part in ("no-grad", "gradient")}

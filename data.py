@@ -19,7 +19,7 @@ import random
 import sys
 import zlib
 
-from hub import require_hub
+from systems.hub import require_hub
 from reward import choice_reward, countdown_reward, extract_boxed, math_reward
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."

@@ -49,9 +49,9 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import data
-import runtime
+from systems import runtime
 from reward import extract_boxed
-from model import load_model, load_tokenizer, stop_token_ids
+from systems.model import load_model, load_tokenizer, stop_token_ids
 from rollout import flash_choice, fuse_projections, generate
 
 parser = argparse.ArgumentParser(description="mean@k evaluation of a model on verifiable tasks")
@@ -74,7 +74,7 @@ parser.add_argument("--seed", type=int, default=0,
                          "depend on it)")
 parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                     help="model dtype; auto = bf16 where the device computes it natively "
-                         "(runtime.py)")
+                         "(systems/runtime.py)")
 
 BREAKDOWNS = ("subject", "level")  # example fields that get a per-value breakdown
 

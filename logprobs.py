@@ -6,7 +6,7 @@ by default, docs/precision.md), and under the policy with a gradient (token_logp
 train.update). Each RLOO group is one packed sequence (pack_layout): its prompt once, then each
 response in its own length, every response attending to the prompt and to its own earlier tokens,
 so a token sees exactly what it would see alone. Micro-batches keep a group whole
-(micro_batch_sizes). segment_attention.py computes the same attention without the pack's dense mask.
+(micro_batch_sizes). systems/segment_attention.py computes the same attention without the pack's dense mask.
 """
 import contextlib
 import itertools
@@ -14,9 +14,9 @@ import itertools
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-import runtime
-import segment_attention
-import split_matmul
+from systems import runtime
+from systems import segment_attention
+from systems import split_matmul
 
 
 def pack_layout(prompts, response_mask):
@@ -54,7 +54,7 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
     """log pi(y_t | x, y<t) of each response token, (B, T) in fp32, and with entropy=True the
     entropy of pi there (detached; else None: the gradient pass skips its two (B, T, vocab)
     temporaries). by_segments: attention by sequences, each response with its prompt, causal, no
-    mask (segment_attention.py), the same values to float rounding (~4e-5 on SmolLM2: another order
+    mask (systems/segment_attention.py), the same values to float rounding (~4e-5 on SmolLM2: another order
     of fp32 sums); a gradient pass by segments under activation checkpointing keeps
     segment_attention.attention(model) around its backward too (the recomputation runs there).
 
@@ -86,7 +86,7 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
             allowed[j, columns, columns] = torch.ones(length, length, dtype=torch.bool,
                                                       device=device).tril()
     segments, attention = {}, contextlib.nullcontext()
-    if by_segments:  # what `allowed` allows, as each response's own sequence (segment_attention.py)
+    if by_segments:  # what `allowed` allows, as each response's own sequence (systems/segment_attention.py)
         segments = {"segments": segment_attention.layout(packs, P, L, device)}
         attention = segment_attention.attention(model)
     # no cast cache: each weight is used once per forward, and a cache would hold a bf16 copy of all
@@ -130,7 +130,7 @@ def no_grad_logprobs(model, prompts, responses, response_mask, temperature, dtyp
                      entropy=False, by_segments=False):
     """token_logprobs (and with entropy=True the entropies, else None) of the whole batch,
     micro-batch by micro-batch (micro_batch_sizes), no gradient. dtype "bf16x6": fp32 whose linear
-    layers' matmuls are six bf16 tensor-core products (split_matmul.py), CUDA's default.
+    layers' matmuls are six bf16 tensor-core products (systems/split_matmul.py), CUDA's default.
     by_segments: token_logprobs'; off in train.py, whose gradient pass (faster with the block mask
     on an H200) then computes attention as these passes do."""
     parts, start = [], 0

@@ -17,7 +17,7 @@ The paper's sec. 4.1 setup, with verl's defaults where the paper is silent (Adam
 --place none (or --beta 0) never loads the reference.
 
 Precision: fp32 master weights and AdamW state. The no-grad log-probs that feed the KL and the ratio
-are fp32 (--logprob-dtype; on CUDA fp32 from bf16 tensor cores, split_matmul.py): in bf16 their
+are fp32 (--logprob-dtype; on CUDA fp32 from bf16 tensor cores, systems/split_matmul.py): in bf16 their
 rounding alone puts a floor under every KL (docs/precision.md). The gradient pass runs in bf16
 autocast where the device has it and takes its values from the fp32 pass,
 logp + sg[logp_fp32 - logp], so only the gradient's direction carries bf16 rounding. Sampling uses a
@@ -26,7 +26,7 @@ the gap between sampler and trainer, so "on-policy" is measured, not assumed. Di
 gives DDP (gloo on CPU, NCCL on CUDA), --fsdp FSDP2. Each rank samples its share of the prompts;
 `num_tokens` counts every rank's tokens, so a step's gradient is the same for any --micro-batch and
 any number of ranks (test_train.py checks both to 1e-5).
-Checkpoints and --resume: checkpoint.py.
+Checkpoints and --resume: systems/checkpoint.py.
 
     python train.py --kl k1 --place reward          # SmolLM2-135M-Instruct on arith, on a CPU
     torchrun --nproc_per_node=8 train.py --kl k3 --place loss --fsdp --model Qwen/Qwen2.5-7B ...
@@ -49,15 +49,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import advantage
-import checkpoint
+from systems import checkpoint
 import data
 import kl
 import logprobs
-import report
+from systems import report
 import rollout
-import runtime
-from hub import HubUnreachable
-from model import load_model, load_tokenizer, stop_token_ids
+from systems import runtime
+from systems.hub import HubUnreachable
+from systems.model import load_model, load_tokenizer, stop_token_ids
 
 ADVANTAGES = {"rloo": advantage.rloo, "drgrpo": advantage.group_mean,
               "grpo": advantage.group_normalized}
@@ -167,7 +167,7 @@ group.add_argument("--max-bad-steps", type=int, default=3,
                    help="stop after this many updates in a row with a non-finite loss or gradient")
 group.add_argument("--report-to", default="none", choices=report.CHOICES,
                    help="also log metrics.jsonl's rows live to TensorBoard (event files in OUT) or "
-                        "W&B (WANDB_MODE=offline: files in OUT/wandb), from rank 0 (report.py)")
+                        "W&B (WANDB_MODE=offline: files in OUT/wandb), from rank 0 (systems/report.py)")
 group = parser.add_argument_group("system")
 group.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="compute dtype of the sampler and the gradient pass (weights and AdamW "
@@ -176,7 +176,7 @@ group.add_argument("--logprob-dtype", default="auto",
                    choices=("auto", "float32", "bf16x6", "bfloat16"),
                    help="dtype of the log-probs that feed the KL, the ratio and the loss values: "
                         "float32 = exact, bf16x6 = fp32 from six bf16 tensor-core products "
-                        "(split_matmul.py), bfloat16 = the fast, noisy way; auto = float32 on a "
+                        "(systems/split_matmul.py), bfloat16 = the fast, noisy way; auto = float32 on a "
                         "CPU, on CUDA the pick of docs/precision.md's registered rule (bf16x6)")
 group.add_argument("--micro-batch", type=int, default=8,
                    help="sequences per forward/backward (the gradient does not depend on it; 8 "

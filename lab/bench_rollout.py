@@ -90,8 +90,8 @@ args = parser.parse_args()
 import torch  # noqa: E402  (after argparse so --help is instant)
 
 import data  # noqa: E402
-from model import load_model, load_tokenizer  # noqa: E402
-import runtime  # noqa: E402
+from systems.model import load_model, load_tokenizer  # noqa: E402
+from systems import runtime  # noqa: E402
 from rollout import flash_choice, fuse_projections, generate  # noqa: E402
 from lab.bench_train import SHAPES as QWEN_SHAPES  # noqa: E402
 
@@ -433,7 +433,7 @@ def eos_part(name, rows, max_new_tokens, dtype, report, write):
     prompts, EOS the token that cuts its greedy rows at the most different lengths."""
     model, real = decode_model(name, dtype)
     if real:
-        from model import stop_token_ids
+        from systems.model import stop_token_ids
 
         tokenizer = load_tokenizer(name)
         examples = data.load_task("arith", split="test")
@@ -581,7 +581,7 @@ def decode_benchmark():
     cuda = DEVICE.type == "cuda"
     if not cuda and not args.allow_cpu:
         return "--decode needs a CUDA GPU (--allow-cpu: try it on this CPU, at tiny shapes)"
-    from runtime import compute_dtype
+    from systems.runtime import compute_dtype
 
     dtype = compute_dtype("auto", DEVICE)
     models = args.models or (["smollm2-135m", "qwen2.5-1.5b", "qwen2.5-7b"] if cuda else ["tiny"])

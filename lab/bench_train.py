@@ -13,12 +13,12 @@ memory do not depend on the weights), through the trainer's own functions:
   fixed-length random responses of --response-tokens tokens.
 - nograd: the 3B and 7B shapes, where a policy with AdamW does not fit one card: one no-grad pass.
 - precision: the no-grad pass at the 1.5B shape in fp32, fp32 with TF32 matmuls, fp32 with its
-  matmuls from bf16 pieces (bf16x6, split_matmul.py), bf16 and fp16 autocast (fp32
+  matmuls from bf16 pieces (bf16x6, systems/split_matmul.py), bf16 and fp16 autocast (fp32
   accumulation), each timed (their KL floors: lab/kl_floor.py --device cuda).
 - attention_ops_*: the attention ops one group's passes dispatch (AttentionOps), which says which SDPA
   kernel runs under the packed block mask, or whether the math fallback builds the L x L scores.
 - attention: at the 1.5B shape, the no-grad and the gradient pass with the block mask (train.py's,
-  in every pass) and by segments (segment_attention.py: each response attends as its own sequence),
+  in every pass) and by segments (systems/segment_attention.py: each response attends as its own sequence),
   timed, with peak memory, each pass's attention ops and the log-probs' largest difference.
 - profile (not in the default --parts): where one group's passes spend their time at the 1.5B shape,
   torch.profiler's kernels (a CPU's ops) largest first: the gradient pass (forward and backward,
@@ -47,10 +47,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import logprobs
 import rollout
-import runtime
-import segment_attention
+from systems import runtime
+from systems import segment_attention
 import train
-from split_matmul import bf16_pieces
+from systems.split_matmul import bf16_pieces
 
 # Qwen2.5's configs (config.json on the hub), with the trainer's fp32 master weights
 SHAPES = {
@@ -71,7 +71,7 @@ SHAPES = {
 }
 # dense bf16 tensor-core peaks (FLOP/s, SXM parts), by a word of torch.cuda.get_device_name()
 BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
-# bf16x6: fp32 matmuls from six bf16 tensor-core products (split_matmul.py)
+# bf16x6: fp32 matmuls from six bf16 tensor-core products (systems/split_matmul.py)
 PRECISIONS = ("float32", "tf32", "bf16x6", "bfloat16", "float16")
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -82,7 +82,7 @@ parser.add_argument("--shapes", nargs="+", default=["0.5B", "1.5B", "3B", "7B"],
                     help="train uses those up to 1.5B (and tiny), nograd the larger ones, "
                          "precision the 1.5B (or the largest train shape given)")
 parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS,
-                    help="the precision part's options (bf16x6: split_matmul.py)")
+                    help="the precision part's options (bf16x6: systems/split_matmul.py)")
 parser.add_argument("--prompts", type=int, default=16,
                     help="prompts of the step (the recipe's 64, reduced to keep a step short; the "
                          "phases' times are per token, so they scale)")
@@ -351,7 +351,7 @@ def set_checkpointing(model, on):
 
 
 def attention_part(args, shape, device, peak):
-    """The packed passes with the block mask and by segments (segment_attention.py): the fp32
+    """The packed passes with the block mask and by segments (systems/segment_attention.py): the fp32
     no-grad pass and the gradient pass (forward and backward in the compute dtype, no optimizer,
     activation checkpointing on as in train.py), each timed with its peak memory and attention ops,
     and the log-probs' largest difference; by segments also the no-grad pass with fp32 matmuls from

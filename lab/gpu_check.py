@@ -82,7 +82,7 @@ def machine_part(device):
     import transformers
 
     import rollout
-    import runtime
+    from systems import runtime
 
     lines = [f"python {platform.python_version()}, torch {torch.__version__} "
              f"(CUDA {torch.version.cuda}), transformers {transformers.__version__}"]
@@ -125,7 +125,7 @@ def sampler_part(work, device, model_name, task):
 
     import data
     import rollout
-    from model import load_model, load_tokenizer, stop_token_ids
+    from systems.model import load_model, load_tokenizer, stop_token_ids
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     tokenizer = load_tokenizer(model_name)

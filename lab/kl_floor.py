@@ -16,7 +16,7 @@ which way such a weight rounds).
 On CUDA it also prints fp32 with TF32 matmuls and fp16 autocast, the options of the trainer's
 no-grad passes that issue 35 times; on a CPU, TF32 emulated (every linear layer's operands rounded
 to TF32, to nearest or truncated, the products summed in fp32), to compare a CPU's emulated
-matmuls with the GPU's floor. On both, fp32 matmuls rebuilt from bf16 pieces (split_matmul.py:
+matmuls with the GPU's floor. On both, fp32 matmuls rebuilt from bf16 pieces (systems/split_matmul.py:
 6 or 3 piece products; bf16 tensor cores on CUDA). --bf16-grid first rounds every weight to bf16,
 as Qwen and Llama are released (the embedded model's weights come from a 4-bit GGUF file: 8% bf16
 ties).
@@ -33,8 +33,8 @@ import torch.nn.functional as F
 import data
 import kl
 import rollout
-from split_matmul import bf16_pieces, linears
-from model import load_model, load_tokenizer
+from systems.split_matmul import bf16_pieces, linears
+from systems.model import load_model, load_tokenizer
 from logprobs import token_logprobs
 
 parser = argparse.ArgumentParser(description="the KL noise floor of bf16 log-probs")
@@ -171,7 +171,7 @@ def main(argv=None):
     with fp32_head(policy), fp32_head(reference):
         add("bf16 autocast, fp32 lm_head",
             floor_row(policy, reference, prompts, responses, mask, torch.bfloat16))
-    for terms in (6, 3):  # fp32 matmuls from bf16 pieces (split_matmul.py)
+    for terms in (6, 3):  # fp32 matmuls from bf16 pieces (systems/split_matmul.py)
         with bf16_pieces(terms):
             add(f"fp32 from bf16 pieces, {terms} products",
                 floor_row(policy, reference, prompts, responses, mask, torch.float32))

@@ -94,7 +94,7 @@ from lab.kl_coords import choose_subsets, coordinates  # noqa: F401 (the script'
 import rollout
 from lab import study
 import train
-from model import load_model, load_tokenizer, stop_token_ids
+from systems.model import load_model, load_tokenizer, stop_token_ids
 
 # name: (estimator, place, clamp, KL to go)
 CONFIGS = {"k1_reward": ("k1", "reward", "none", False), "k1_loss": ("k1", "loss", "none", False),

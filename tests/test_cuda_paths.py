@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import rollout
-import runtime
+from systems import runtime
 from test_rollout import (FAMILIES, PROMPTS, assert_greedy_up_to_ties, cache_for,
                           eos_for_mixed_lengths, hf_greedy, lively, tiny_model)
 
@@ -309,7 +309,7 @@ def test_logprob_dtype_auto_is_the_rules_pick_on_cuda_and_fp32_on_a_cpu(monkeypa
     """--logprob-dtype auto: fp32 on a CPU whatever the rule picks for CUDA (docs/precision.md), the
     pick on CUDA (bf16x6, fp32 where torch has no out_dtype GEMM for it); a dtype named outright is
     that dtype everywhere."""
-    import split_matmul
+    from systems import split_matmul
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert runtime.logprob_dtype("auto", cpu) == torch.float32

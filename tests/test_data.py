@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 import data
-import hub
+from systems import hub
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 FIXTURES = Path(__file__).parent / "fixtures"

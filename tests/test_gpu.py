@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rollout
-import runtime
+from systems import runtime
 from test_rollout import (PROMPTS, assert_greedy_up_to_ties, cache_for, eos_for_mixed_lengths,
                           lively, tiny_model)
 
@@ -217,13 +217,13 @@ def test_async_queue_is_saved_on_the_cpu_and_resumes_on_cuda(tmp_path, letter_mo
 
 
 def test_fp32_matmuls_from_bf16_tensor_cores_are_as_accurate_as_fp32():
-    """split_matmul.py on CUDA, where the piece products are one bf16 tensor-core GEMM with fp32
+    """systems/split_matmul.py on CUDA, where the piece products are one bf16 tensor-core GEMM with fp32
     output (torch.mm's out_dtype): against float64 as accurate as an fp32 matmul, as on a CPU
     (tests/test_split_matmul.py); three products are not. Fails if the tensor cores add with fewer
     bits than fp32."""
     import torch.nn.functional as F
 
-    from split_matmul import split_linear
+    from systems.split_matmul import split_linear
     from test_split_matmul import operands, relative_error
 
     x, weight, bias = (t.cuda() for t in operands(k=4096))  # a long sum, as in a model's layers

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lab.kl_floor import bf16_grid, floor_row, fp32_head, tf32_linear
-from split_matmul import bf16_pieces, linears
+from systems.split_matmul import bf16_pieces, linears
 
 
 def tiny_pair(tiny_llama, eps=1e-6):

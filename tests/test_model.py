@@ -1,4 +1,4 @@
-"""Tests of model.py: the embedded model made from its GGUF file on a machine with no cache, and the
+"""Tests of systems/model.py: the embedded model made from its GGUF file on a machine with no cache, and the
 stop ids: a response ends where the chat template ends a turn, whatever the EOS says.
 
 Tokenizers are built offline from the embedded SmolLM2 tokenizer (special tokens <|endoftext|>,
@@ -120,7 +120,7 @@ class Model:
 @pytest.mark.parametrize("case", CASES)
 def test_end_of_turn_comes_from_the_template(smollm2_tokenizer, case):
     """The end of turn is read from the template, whatever EOS the tokenizer and the config name."""
-    from model import end_of_turn_id, stop_token_ids
+    from systems.model import end_of_turn_id, stop_token_ids
 
     eos, template, tokens, special, end_of_turn = CASES[case]
     tokenizer = variant(smollm2_tokenizer, eos, template, tokens, special)
@@ -137,7 +137,7 @@ def test_real_smollm2_and_the_models_own_eos(smollm2_tokenizer):
     """The real SmolLM2 files stop at <|im_end|>; a config's EOS is added; no config is fine."""
     from transformers import GenerationConfig
 
-    from model import embedded_dir, end_of_turn_id, stop_token_ids
+    from systems.model import embedded_dir, end_of_turn_id, stop_token_ids
 
     im_end, endoftext = smollm2_tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     assert end_of_turn_id(smollm2_tokenizer) == im_end
@@ -152,7 +152,7 @@ def test_real_smollm2_and_the_models_own_eos(smollm2_tokenizer):
 
 def test_no_end_token_anywhere_is_a_one_line_error(smollm2_tokenizer):
     """No EOS, no config EOS and no end of turn: a one-line error, not responses that never end."""
-    from model import stop_token_ids
+    from systems.model import stop_token_ids
 
     tokenizer = variant(smollm2_tokenizer, "<|endoftext|>", PLAIN)
     tokenizer.eos_token = None
@@ -202,7 +202,7 @@ def test_the_embedded_model_is_made_from_its_gguf_file(tmp_path, monkeypatch):
     the fresh copy equals the cached one tensor for tensor, config and tokenizer included."""
     from safetensors.torch import load_file
 
-    import model
+    from systems import model
 
     cached = model.embedded_dir()  # the default cache, made here first if this machine has none
     monkeypatch.setenv("KL_CACHE", str(tmp_path))

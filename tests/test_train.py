@@ -102,7 +102,7 @@ def apply_patches(names, setattr):
 
         setattr(torch, "save", late_save)
     if "kill_final" in names:
-        import checkpoint
+        from systems import checkpoint
 
         rename = os.rename
 
@@ -146,7 +146,7 @@ def train(argv, patches=(), **setattrs):
     sampler, reference) and the last step's no-grad log-prob passes (prompts, tokens, mask,
     policy_logp, ref_logp; exact_* for the pass of a later minibatch)."""
     import logprobs
-    import runtime
+    from systems import runtime
     import train as trainer
 
     run = {"reference": None}
@@ -471,7 +471,7 @@ def test_fsdp_checkpoints_are_sharded_rotate_and_resume_bit_for_bit(tiny, tmp_pa
     and no gathered copy (final/ also a bf16 export, which eval.py loads), --keep-last 1 keeps the
     newest step_N, and a run killed right after its second sharded save resumes to the straight
     run's final weights and metrics, bit for bit."""
-    import checkpoint
+    from systems import checkpoint
 
     extra = ("--steps", "4", "--save-every", "2", "--micro-batch", "3", "--lr", "1e-2", "--fsdp")
     straight = run_module(flags(tiny, tmp_path / "straight", *extra, "--keep-last", "1"),
@@ -585,7 +585,7 @@ def test_async_resume_with_a_non_empty_queue(tiny, tmp_path):
 @pytest.mark.parametrize("no_kl", [["--place", "none"], ["--beta", "0"]],
                          ids=["place-none", "beta-0"])
 def test_no_reference_without_kl(tiny, tmp_path, no_kl):
-    import model
+    from systems import model
 
     loaded = []
     load_model = model.load_model
@@ -631,7 +631,7 @@ def test_bf16_compute_keeps_kl_and_ratio_at_the_fp32_floor(tiny, tmp_path, logpr
     are fp32 by default: equal to a float64 recomputation to 1e-5. --logprob-dtype bfloat16 (the
     fast way) is off by the rounding of logits near 40 (bf16 spacing 0.25 there): far above the
     floor, which is what the flag trades."""
-    from model import load_model
+    from systems.model import load_model
     from logprobs import token_logprobs
 
     run = train(flags(tiny, tmp_path, "--steps", "2", "--dtype", "bfloat16",
@@ -710,7 +710,7 @@ def test_sampler_shares_fp32_weights_and_keeps_fp32_buffers(tiny, tmp_path):
             assert {getattr(module, name).weight.untyped_storage().data_ptr() for name in names} \
                 == {weight.untyped_storage().data_ptr()}
     # released for the training pass: no weight, joined or not, holds memory
-    import runtime
+    from systems import runtime
 
     runtime.release_sampler(sampler, policy)
     assert not any(hasattr(module, "fused") for module in sampler.modules())
@@ -757,7 +757,7 @@ def test_a_rank_that_saves_late(tiny, tmp_path):
     """torchrun x2, rank 1 writing its RNG and queue files 1 s after rank 0 is done: every
     checkpoint is complete (nothing renamed before every rank's files are in) and nothing is left
     in a temporary directory."""
-    import checkpoint
+    from systems import checkpoint
 
     result = run_module(flags(tiny, tmp_path, "--steps", "2", "--save-every", "1"),
                         patches=("late_rank1",), procs=2)
@@ -772,7 +772,7 @@ def test_a_kill_while_final_is_replaced_loses_nothing(tiny, tmp_path, two_ranks)
     """torchrun x2, --save-every 0: 1 step, then --resume to 2 steps, killed as the new final/
     takes the old one's place. A complete checkpoint is still there (the new one), --resume
     finishes the replacement, and the run ends where a straight 2-step run ends, metrics and all."""
-    import checkpoint
+    from systems import checkpoint
 
     out = tmp_path / "killed"
     assert run_module(flags(tiny, out, "--steps", "1"), procs=2).returncode == 0
@@ -796,7 +796,7 @@ def test_two_nodes_train_checkpoint_and_resume(tiny, tmp_path, two_ranks):
     checkpoint files by its global rank (a rank taken from LOCAL_RANK would write rng_rank0.pt
     twice and no rng_rank1.pt), rank 0 alone writes the log, and the run ends where one node's 2
     processes end, bit for bit, metrics and all."""
-    import checkpoint
+    from systems import checkpoint
 
     out = tmp_path / "run"
     for extra in (["--steps", "1"], ["--steps", "2", "--resume"]):
@@ -813,7 +813,7 @@ def test_two_nodes_train_checkpoint_and_resume(tiny, tmp_path, two_ranks):
 def test_resume_refuses_another_resolved_dtype(tiny, tmp_path):
     """--dtype auto is stored as what it resolved to: a resume where auto means another dtype
     (a checkpoint from an AVX512-BF16 machine on an AVX2-only one) is refused with one line."""
-    import runtime
+    from systems import runtime
 
     extra = ("--dtype", "auto", "--steps", "1")
     train(flags(tiny, tmp_path, *extra), runtime__bf16_is_native=lambda device: False)
@@ -984,7 +984,7 @@ def test_a_no_grad_pass_leaves_an_fsdp_model_resharded(tiny_llama, tmp_path):
     from torch.distributed.tensor import DTensor
 
     import logprobs
-    import runtime
+    from systems import runtime
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)

@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import data  # noqa: E402
 import rollout  # noqa: E402
-from model import load_model, load_tokenizer, stop_token_ids  # noqa: E402
+from systems.model import load_model, load_tokenizer, stop_token_ids  # noqa: E402
 
 torch.set_num_threads(1)
 separate = load_model("smollm2-135m", dtype=torch.float32).eval()

@@ -29,7 +29,7 @@ def build(path):
     twice), with two small decoder layers, saved with SmolLM2's tokenizer in `path`."""
     import transformers
 
-    import model
+    from systems import model
 
     tokenizer = model.load_tokenizer("smollm2-135m")
     smollm2 = transformers.AutoConfig.from_pretrained(model.resolve("smollm2-135m"))
@@ -50,8 +50,8 @@ def trace_worker(path):
     from torch.distributed.fsdp._fully_shard import _fsdp_param
 
     import logprobs
-    import model
-    import runtime
+    from systems import model
+    from systems import runtime
     from lab import memory_plan
 
     class Tracker(memory_plan.LiveBytes):

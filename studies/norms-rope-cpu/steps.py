@@ -14,7 +14,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "studies")]
 import rollout as after  # noqa: E402
-from model import load_model  # noqa: E402
+from systems.model import load_model  # noqa: E402
 from rollout_at import rollout_at  # noqa: E402
 
 before = rollout_at("b17f244")

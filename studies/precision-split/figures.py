@@ -18,7 +18,7 @@ def weight_sizes():
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from model import load_model
+    from systems.model import load_model
 
     torch.manual_seed(0)
     model = load_model("smollm2-135m")

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "studies")]
 import data  # noqa: E402
 import rollout as after  # noqa: E402
-from model import load_model, load_tokenizer, stop_token_ids  # noqa: E402
+from systems.model import load_model, load_tokenizer, stop_token_ids  # noqa: E402
 from rollout_at import rollout_at  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

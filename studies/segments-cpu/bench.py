@@ -1,5 +1,5 @@
 """train.py's no-grad pass at the default run's shapes on a CPU: attention by segments (4-D, as
-segment_attention.py had it at a71dc3a; and 3-D, as it was when the H200 measured it) against the
+systems/segment_attention.py had it at a71dc3a; and 3-D, as it was when the H200 measured it) against the
 block mask.
 
     OMP_NUM_THREADS=1 python studies/segments-cpu/bench.py > studies/segments-cpu/output.txt
@@ -19,11 +19,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 import logprobs  # noqa: E402
-import segment_attention  # noqa: E402
-from model import load_model, load_tokenizer  # noqa: E402
+from systems import segment_attention  # noqa: E402
+from systems.model import load_model, load_tokenizer  # noqa: E402
 from rollout_at import module_at  # noqa: E402
 
-# the 4-D segments this study measured (segment_attention.py batches sequences since)
+# the 4-D segments this study measured (systems/segment_attention.py batches sequences since)
 FOUR_D_MODULE = module_at("a71dc3a", "segment_attention")
 FOUR_D = FOUR_D_MODULE.segment_attention
 segment_attention.layout = lambda packs, P, L, device: FOUR_D_MODULE.layout(packs, P)

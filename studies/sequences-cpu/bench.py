@@ -1,6 +1,6 @@
 """train.py's passes at the default run's shapes on a CPU: attention by sequences
-(segment_attention.py: each response with its prompt, batched, plain causal SDPA) against the block
-mask (train.py's), and against the 4-D segments it replaced (segment_attention.py at a71dc3a: a
+(systems/segment_attention.py: each response with its prompt, batched, plain causal SDPA) against the block
+mask (train.py's), and against the 4-D segments it replaced (systems/segment_attention.py at a71dc3a: a
 boolean mask a response).
 
     OMP_NUM_THREADS=1 python studies/sequences-cpu/bench.py > studies/sequences-cpu/output.txt
@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 import logprobs  # noqa: E402
-import segment_attention  # noqa: E402
+from systems import segment_attention  # noqa: E402
 from lab.bench_train import micro_batch_starts, set_checkpointing  # noqa: E402
-from model import load_model, load_tokenizer  # noqa: E402
+from systems.model import load_model, load_tokenizer  # noqa: E402
 from rollout_at import module_at  # noqa: E402
 
 ROUNDS, T_975 = 6, 2.571  # Student's t, 97.5% quantile, 5 degrees of freedom

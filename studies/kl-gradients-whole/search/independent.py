@@ -42,7 +42,7 @@ import data  # noqa: E402
 import rollout  # noqa: E402
 import lab.kl_gradients as KG  # noqa: E402
 from lab import kl_coords  # noqa: E402
-from model import load_model, load_tokenizer, stop_token_ids  # noqa: E402
+from systems.model import load_model, load_tokenizer, stop_token_ids  # noqa: E402
 
 torch.set_num_threads(1)
 T0 = time.time()

@@ -3,7 +3,7 @@ sys.path.insert(0, "/work/runs/kl-gradients-whole/src-771afac-order")
 import torch, numpy as np
 torch.set_num_threads(1)
 import data, rollout
-from model import load_model, load_tokenizer, stop_token_ids
+from systems.model import load_model, load_tokenizer, stop_token_ids
 CH = "/work/runs/kl-gradients-whole/chunks-seed1/step_20"
 examples = data.load_task("arith", split="test")
 ex = examples[75]

@@ -4,7 +4,7 @@ import sys, json, math, time
 sys.path.insert(0, "/work/runs/kl-gradients-whole/src-771afac-order")
 import torch, numpy as np
 torch.set_num_threads(1)
-from model import load_model
+from systems.model import load_model
 T0 = time.time()
 A = json.load(open("atom.json"))
 pids, y = A["prompt_ids"], A["response"]

@@ -3,7 +3,7 @@ import sys, json, math
 sys.path.insert(0, "/work/runs/kl-gradients-whole/src-771afac-order")
 import torch
 torch.set_num_threads(1)
-from model import load_model, load_tokenizer
+from systems.model import load_model, load_tokenizer
 import data
 print("held-out arith examples:", len(data.load_task("arith", split="test")))
 A = json.load(open("atom.json")); pids, y = A["prompt_ids"], A["response"]

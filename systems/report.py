@@ -24,7 +24,7 @@ import numbers
 import os
 from urllib.parse import urlsplit
 
-import runtime
+from systems import runtime
 
 CHOICES = ("none", "tensorboard", "wandb")
 WANDB_PROJECT = "comedy-of-estimators"

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from runtime import barrier, fail, stop_if_any_rank, unwrap
+from systems.runtime import barrier, fail, stop_if_any_rank, unwrap
 
 # flags that do not change what a run computes (the gradient does not depend on the micro-batch, the
 # sharding or recomputation; the samples do not depend on the sampler's chunks or on compiling, up to

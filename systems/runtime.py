@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import rollout
-import split_matmul
+from systems import split_matmul
 
 try:  # glibc, for return_freed_memory
     _libc = ctypes.CDLL("libc.so.6")
@@ -60,7 +60,7 @@ def compute_dtype(name, device):
 
 # --logprob-dtype auto on CUDA: the pick of the rule registered in docs/precision.md (issue 35), the
 # fastest option whose KL floor is negligible. Measured on an H200: TF32, fp16 and bf16 missed the
-# float64 K1 by 94% to 15,000% (2026-11-27); fp32 from six bf16 products (split_matmul.py) kept K1
+# float64 K1 by 94% to 15,000% (2026-11-27); fp32 from six bf16 products (systems/split_matmul.py) kept K1
 # and K3 within 0.14%, in 0.83 of fp32's time (2026-11-28)
 CUDA_LOGPROB_DTYPE = "bf16x6"
 
@@ -104,7 +104,7 @@ def cuda_free_for_tensors(device):
 
 def logprob_dtype(name, device):
     """The torch dtype of the no-grad log-prob passes for --logprob-dtype `name` on `device`, or
-    "bf16x6" (fp32 whose linear layers' matmuls are six bf16 tensor-core products: split_matmul.py).
+    "bf16x6" (fp32 whose linear layers' matmuls are six bf16 tensor-core products: systems/split_matmul.py).
     "auto": CUDA_LOGPROB_DTYPE on CUDA (fp32 where torch is too old for bf16x6's GEMM), fp32 on a
     CPU, where bf16 rounding puts a floor under every KL: docs/precision.md."""
     if name == "auto":

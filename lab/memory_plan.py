@@ -365,7 +365,9 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
                for _ in range(flags.group_size)][:rows]
     sizes = logprobs.micro_batch_sizes(prompts, flags.micro_batch)
     micro = max(sizes)
-    logprob_dtype = runtime.logprob_dtype(flags.logprob_dtype, torch.device(device))
+    # the plan's card is an 80 GB A100 or H100 (sm80/sm90: auto picks bf16x6 on both)
+    logprob_dtype = runtime.logprob_dtype(flags.logprob_dtype, torch.device(device),
+                                          capability=(9, 0))
     nograd, grad_pass = traced_passes(config, prompts[:micro], flags.max_new_tokens, dtype,
                                       flags.grad_checkpointing, logprob_dtype,
                                       keep_head_gradient=sharded)

@@ -60,9 +60,16 @@ def compute_dtype(name, device):
 
 # --logprob-dtype auto on CUDA: the pick of the rule registered in docs/precision.md (issue 35), the
 # fastest option whose KL floor is negligible. Measured on an H200: TF32, fp16 and bf16 missed the
-# float64 K1 by 94% to 15,000% (2026-11-27); fp32 from six bf16 products (systems/split_matmul.py) kept K1
+# float64 K1 by 94% to 15,000% (2026-11-27); fp32 from six bf16 products (split_matmul.py) kept K1
 # and K3 within 0.14%, in 0.83 of fp32's time (2026-11-28)
 CUDA_LOGPROB_DTYPE = "bf16x6"
+
+
+# ...but only on the cards where it pays: six bf16 products cost less than one fp32 GEMM only where
+# dense bf16 tensor cores run ~15x fp32 or more (A100 sm80 16x, H100/H200 sm90 15x, B200/B300 sm100/
+# sm103 ~30x); at 2-4x (sm86/sm89: A10, A6000, L4, RTX 4090; sm120: RTX 5090) they are slower than
+# fp32, and before sm80 (V100, T4) a bf16 GEMM with an fp32 output does not run. docs/precision.md
+BF16X6_PAYS_ON = {(8, 0), (9, 0), (10, 0), (10, 3)}
 
 
 # where the sampler's own copy fuses its q/k/v and gate/up projections (rollout.fuse_projections): a
@@ -102,15 +109,39 @@ def cuda_free_for_tensors(device):
     return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
-def logprob_dtype(name, device):
+def bf16x6_cannot_run(device, capability=None):
+    """Why --logprob-dtype bf16x6 cannot run on `device` (None where it can: any CPU, whose pieces'
+    products are exact fp32; a CUDA card of compute capability 8.0 or higher with torch 2.8's
+    out_dtype GEMM). `capability`: the card's (major, minor), else torch.cuda's answer."""
+    if device.type != "cuda":
+        return None
+    major, minor = capability or torch.cuda.get_device_capability(device)
+    if major < 8:
+        return (f"--logprob-dtype bf16x6 needs bf16 tensor cores (compute capability 8.0 or higher); "
+                f"this GPU has {major}.{minor}: use --logprob-dtype float32 (auto picks it here)")
+    if not split_matmul.OUT_DTYPE:
+        return (f"--logprob-dtype bf16x6 needs torch.mm's out_dtype on CUDA (torch 2.8 or later), "
+                f"this is {torch.__version__}: use --logprob-dtype float32 (auto picks it here)")
+    return None
+
+
+def logprob_dtype(name, device, capability=None):
     """The torch dtype of the no-grad log-prob passes for --logprob-dtype `name` on `device`, or
-    "bf16x6" (fp32 whose linear layers' matmuls are six bf16 tensor-core products: systems/split_matmul.py).
-    "auto": CUDA_LOGPROB_DTYPE on CUDA (fp32 where torch is too old for bf16x6's GEMM), fp32 on a
-    CPU, where bf16 rounding puts a floor under every KL: docs/precision.md."""
+    "bf16x6" (fp32 whose linear layers' matmuls are six bf16 tensor-core products: split_matmul.py).
+    "auto": CUDA_LOGPROB_DTYPE on the cards of BF16X6_PAYS_ON where it runs, fp32 on every other
+    card and on a CPU, where bf16 rounding puts a floor under every KL: docs/precision.md. bf16x6
+    named on a card that cannot run it stops with a one-line error. `capability`: the card's
+    (major, minor) where it is not this machine's (lab/memory_plan.py plans for one)."""
     if name == "auto":
-        name = CUDA_LOGPROB_DTYPE if device.type == "cuda" else "float32"
-        if name == "bf16x6" and not split_matmul.OUT_DTYPE:  # its GEMM needs torch 2.8's out_dtype
-            name = "float32"
+        name = "float32"
+        if device.type == "cuda":
+            capability = capability or torch.cuda.get_device_capability(device)
+            name = CUDA_LOGPROB_DTYPE
+            if name == "bf16x6" and (tuple(capability) not in BF16X6_PAYS_ON
+                                     or bf16x6_cannot_run(device, capability)):
+                name = "float32"
+    if name == "bf16x6" and (reason := bf16x6_cannot_run(device, capability)):
+        fail(reason)
     return name if name == "bf16x6" else getattr(torch, name)
 
 

@@ -305,24 +305,59 @@ def test_gpu_check_runs_on_a_cpu(tmp_path, letter_model, monkeypatch):
     assert "| sampler | FAIL |" in text and str(tmp_path / "none") in text
 
 
-def test_logprob_dtype_auto_is_the_rules_pick_on_cuda_and_fp32_on_a_cpu(monkeypatch):
-    """--logprob-dtype auto: fp32 on a CPU whatever the rule picks for CUDA (docs/precision.md), the
-    pick on CUDA (bf16x6, fp32 where torch has no out_dtype GEMM for it); a dtype named outright is
-    that dtype everywhere."""
+# (name, compute capability, what --logprob-dtype auto picks): bf16x6 where dense bf16 tensor cores
+# run ~15x fp32 or more (docs/precision.md's table), fp32 where 2-4x, and where bf16 GEMMs with an
+# fp32 output do not run (before 8.0)
+CARDS = [("V100", (7, 0), torch.float32), ("T4", (7, 5), torch.float32),
+         ("A10", (8, 6), torch.float32), ("L4", (8, 9), torch.float32),
+         ("RTX 4090", (8, 9), torch.float32), ("RTX 5090", (12, 0), torch.float32),
+         ("A100", (8, 0), "bf16x6"), ("H100", (9, 0), "bf16x6"), ("H200", (9, 0), "bf16x6"),
+         ("B200", (10, 0), "bf16x6")]
+
+
+@pytest.mark.parametrize("card, capability, picked", CARDS, ids=[card for card, *_ in CARDS])
+def test_logprob_dtype_auto_is_bf16x6_only_on_the_cards_where_it_runs_and_pays(
+        monkeypatch, card, capability, picked):
+    """--logprob-dtype auto on CUDA, by the card torch.cuda reports: bf16x6 on A100, H100, H200 and
+    B200, fp32 elsewhere (a V100 or T4 would crash in the first no-grad pass; an A10, L4 or RTX
+    4090 would run six products slower than one fp32 GEMM). bf16x6 named outright on a card before
+    8.0 stops with a one-line error; on the others it runs as asked. A CPU is fp32 whatever the
+    card rule says."""
     from systems import split_matmul
 
-    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert runtime.logprob_dtype("auto", cpu) == torch.float32
+    monkeypatch.setattr(split_matmul, "OUT_DTYPE", True)  # torch 2.8 or later
+    fake_gpu(monkeypatch, *capability)
+    assert runtime.logprob_dtype("auto", CUDA) == picked
+    assert runtime.logprob_dtype("float32", CUDA) == torch.float32
+    assert runtime.logprob_dtype("auto", torch.device("cpu")) == torch.float32
+    if capability < (8, 0):
+        with pytest.raises(SystemExit) as stop:
+            runtime.logprob_dtype("bf16x6", CUDA)
+        message = str(stop.value)
+        assert "error: --logprob-dtype bf16x6 needs bf16 tensor cores" in message
+        assert f"this GPU has {capability[0]}.{capability[1]}" in message and "\n" not in message
+    else:
+        assert runtime.logprob_dtype("bf16x6", CUDA) == "bf16x6"
+
+
+def test_logprob_dtype_keeps_the_rules_pick_and_fp32_where_torch_lacks_out_dtype(monkeypatch):
+    """On a card where bf16x6 pays, auto is the registered rule's pick (bf16x6, or whatever it had
+    picked); with torch older than 2.8 (no out_dtype GEMM) auto is fp32 and bf16x6 named outright
+    stops in one line; a CPU runs bf16x6 when named (exact products) and fp32 on auto."""
+    from systems import split_matmul
+
+    cpu = torch.device("cpu")
+    fake_gpu(monkeypatch, 9, 0)
     assert runtime.CUDA_LOGPROB_DTYPE == "bf16x6"  # the rule's pick on the H200 (2026-11-28)
-    assert runtime.logprob_dtype("auto", cuda) == ("bf16x6" if split_matmul.OUT_DTYPE
-                                                   else torch.float32)
     monkeypatch.setattr(split_matmul, "OUT_DTYPE", False)  # torch before 2.8
-    assert runtime.logprob_dtype("auto", cuda) == torch.float32
+    assert runtime.logprob_dtype("auto", CUDA) == torch.float32
+    with pytest.raises(SystemExit, match="needs torch.mm's out_dtype"):
+        runtime.logprob_dtype("bf16x6", CUDA)
     assert runtime.logprob_dtype("bf16x6", cpu) == "bf16x6"
+    monkeypatch.setattr(split_matmul, "OUT_DTYPE", True)
     monkeypatch.setattr(runtime, "CUDA_LOGPROB_DTYPE", "bfloat16")  # had the rule picked bf16
-    assert runtime.logprob_dtype("auto", cuda) == torch.bfloat16
+    assert runtime.logprob_dtype("auto", CUDA) == torch.bfloat16
     assert runtime.logprob_dtype("auto", cpu) == torch.float32
-    assert runtime.logprob_dtype("float32", cuda) == torch.float32
     assert runtime.logprob_dtype("bfloat16", cpu) == torch.bfloat16
 
 

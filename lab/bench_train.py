@@ -69,8 +69,13 @@ SHAPES = {
                num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                tie_word_embeddings=False),
 }
-# dense bf16 tensor-core peaks (FLOP/s, SXM parts), by a word of torch.cuda.get_device_name()
-BF16_PEAK = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+# dense bf16 tensor-core peaks (FLOP/s, fp32 accumulation, no sparsity), by the first of these words in
+# torch.cuda.get_device_name(): NVIDIA's datasheets (H100, H200, B200, A100, L40S, L4, A10, RTX A6000)
+# and the Ada whitepaper (RTX 4090). Order matters: "H100 PCIe" before "H100", "A100" before "A10",
+# "L40S" before "L4". A card not listed gets no MFU (None)
+BF16_PEAK = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL", 835e12),
+             ("H200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12),
+             ("L4", 121e12), ("RTX A6000", 155e12), ("A10", 125e12), ("RTX 4090", 165e12)]
 # bf16x6: fp32 matmuls from six bf16 tensor-core products (systems/split_matmul.py)
 PRECISIONS = ("float32", "tf32", "bf16x6", "bfloat16", "float16")
 
@@ -136,17 +141,36 @@ def batch_of(args, vocab_size, device):
     return prompts, responses.to(device), torch.ones(responses.shape, device=device)
 
 
-def pass_flops(model, args, num_rows, backward):
-    """Model FLOPs of one pass over `num_rows` rows packed as logprobs.token_logprobs packs them."""
+def attention_pairs(args):
+    """(allowed, computed): the (query, key) pairs of one pack that the block mask lets through (the
+    prompt causally, each response over the prompt and its own prefix), and the pairs SDPA computes
+    under that mask (every pair of the L x L pack). The MFU counts the first: the model's work."""
+    P, R, G = args.prompt_tokens, args.response_tokens, args.group_size
+    allowed = P * (P + 1) // 2 + G * (R * P + R * (R + 1) // 2)
+    return allowed, (P + G * R) ** 2
+
+
+def pass_flops(model, args, num_rows, backward, pairs="allowed"):
+    """Model FLOPs of one pass over `num_rows` rows packed as logprobs.token_logprobs packs them;
+    attention over the pairs the mask allows, or with pairs="computed" over every pair SDPA computes
+    with the block mask (what PyTorch's FlopCounterMode counts)."""
     config = model.config
     packs = num_rows // args.group_size
     length = args.prompt_tokens + args.group_size * args.response_tokens  # a pack's positions
     kept = args.group_size * args.response_tokens + 1  # positions that reach the output layer
     head = config.vocab_size * config.hidden_size
     body = sum(p.numel() for p in model.model.layers.parameters())
-    attention = 4 * length ** 2 * config.hidden_size * config.num_hidden_layers  # QK^T and AV
+    counted = dict(zip(("allowed", "computed"), attention_pairs(args)))[pairs]
+    attention = 4 * counted * config.hidden_size * config.num_hidden_layers  # QK^T and AV
     forward = packs * (2 * body * length + 2 * head * kept + attention)
     return 3 * forward if backward else forward
+
+
+def mfus(model, args, num_rows, backward, seconds, peak):
+    """{"mfu": over the pairs the mask allows, "mfu_all_pairs": over every pair computed}."""
+    return {"mfu": mfu(pass_flops(model, args, num_rows, backward), seconds, peak),
+            "mfu_all_pairs": mfu(pass_flops(model, args, num_rows, backward, "computed"), seconds,
+                                 peak)}
 
 
 class AttentionOps(TorchDispatchMode):
@@ -203,7 +227,6 @@ def train_part(args, shape, device, peak):
                           "peak_bytes": memory}
     runtime.release_sampler(sampler, policy)
 
-    forward_flops = pass_flops(policy, args, len(prompts), backward=False)
     warm = slice(0, args.group_size)  # one group first: kernels chosen, memory pools grown
     logprob_dtype = runtime.logprob_dtype("auto", device)  # as train.py's default resolves it
     result["logprob_dtype"] = str(logprob_dtype).removeprefix("torch.")
@@ -215,7 +238,8 @@ def train_part(args, shape, device, peak):
                                            responses, mask, 1.0, logprob_dtype, args.micro_batch,
                                            entropy=name == "policy_nograd")
         result[name] = {"s": seconds, "tokens_per_s": mask.sum().item() / seconds,
-                        "peak_bytes": memory, "mfu": mfu(forward_flops, seconds, peak)}
+                        "peak_bytes": memory,
+                        **mfus(policy, args, len(prompts), False, seconds, peak)}
     del reference
 
     flags = trainer_args(args, dtype)
@@ -234,7 +258,6 @@ def train_part(args, shape, device, peak):
         return out
 
     optimizer.step = timed_step  # a reference cycle: main() collects it before the next part
-    grad_flops = pass_flops(policy, args, len(prompts), backward=True)
     with AttentionOps() as mode:  # the gradient pass's attention, forward and backward, one group
         logp_warm, _ = logprobs.token_logprobs(policy, prompts[warm], responses[warm], mask[warm],
                                                1.0, dtype)
@@ -253,7 +276,7 @@ def train_part(args, shape, device, peak):
         result[f"update_checkpointing_{checkpointing}"] = {
             "s": seconds, "gradient_pass_s": gradient_s, "optimizer_s": optimizer_seconds[-1],
             "tokens_per_s": mask.sum().item() / gradient_s, "peak_bytes": memory,
-            "mfu": mfu(grad_flops, gradient_s, peak)}
+            **mfus(policy, args, len(prompts), True, gradient_s, peak)}
     nograd = result["policy_nograd"]["s"] + result["reference_nograd"]["s"]
     update = result["update_checkpointing_True"].get("s")
     result["nograd_share_of_training"] = None if update is None else nograd / (nograd + update)
@@ -264,7 +287,6 @@ def nograd_part(args, shape, device, peak, precisions=("float32", "bfloat16")):
     """One no-grad log-prob pass at `shape` in each of `precisions` (tokens/s, MFU, peak)."""
     model = build(shape, device).requires_grad_(False)
     prompts, responses, mask = batch_of(args, model.config.vocab_size, device)
-    flops = pass_flops(model, args, len(prompts), backward=False)
     result = {"shape": shape, "params": sum(p.numel() for p in model.parameters()),
               "rows": len(prompts)}
     warm = slice(0, args.group_size)  # one group first: kernels chosen, memory pools grown
@@ -288,7 +310,8 @@ def nograd_part(args, shape, device, peak, precisions=("float32", "bfloat16")):
         finally:
             torch.backends.cuda.matmul.allow_tf32 = previous
         result[precision] = {"s": seconds, "tokens_per_s": mask.sum().item() / seconds,
-                             "peak_bytes": memory, "mfu": mfu(flops, seconds, peak)}
+                             "peak_bytes": memory,
+                             **mfus(model, args, len(prompts), False, seconds, peak)}
     return result
 
 
@@ -330,10 +353,11 @@ def profile_part(args, shape, device, peak):
             wall = time.perf_counter() - started
         kernels = sorted(((own_ms(event), event.count, event.key) for event in prof.key_averages()
                           if own_ms(event) > 0), reverse=True)
-        flops = pass_flops(policy, args, args.group_size, backward)
         busy = sum(ms for ms, _, _ in kernels) / 1e3
-        result[name] = {"wall_s": wall, "kernels_s": busy, "mfu": mfu(flops, wall, peak),
-                        "mfu_of_kernel_time": mfu(flops, busy, peak),
+        result[name] = {"wall_s": wall, "kernels_s": busy,
+                        **mfus(policy, args, args.group_size, backward, wall, peak),
+                        "mfu_of_kernel_time": mfus(policy, args, args.group_size, backward, busy,
+                                                   peak)["mfu"],
                         "kernels": [dict(kernel=key, ms=ms, calls=count)
                                     for ms, count, key in kernels[:40]]}
     return result
@@ -414,7 +438,7 @@ def micro_batch_starts(prompts, micro_batch):
 
 def machine(device):
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
-    peak = next((flops for word, flops in BF16_PEAK.items() if word in name), None)
+    peak = next((flops for word, flops in BF16_PEAK if word in name), None)
     return {"device": name or platform.machine(), "torch": torch.__version__,
             "bf16_peak_flops": peak, "compute_dtype": str(runtime.compute_dtype("auto", device))}
 

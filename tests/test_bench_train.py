@@ -71,9 +71,10 @@ def test_the_profile_part_says_where_a_groups_passes_spend_their_time(tmp_path, 
 
 @pytest.mark.parametrize("backward", [False, True])
 def test_flops_match_pytorchs_count(backward, one_thread):
-    """pass_flops against FlopCounterMode on token_logprobs' packed forward (and backward): the
-    same matmuls and attention (eager, so the counter sees it), to the 2% that the formula's
-    biases and norms (counted as weights) leave."""
+    """pass_flops(pairs="computed") against FlopCounterMode on token_logprobs' packed forward (and
+    backward): the same matmuls and attention over every pair of the pack (eager, so the counter
+    sees it), to the 2% that the formula's biases and norms (counted as weights) leave. The MFU's
+    count, over the pairs the mask allows, is below it by exactly the pairs the mask refuses."""
     args = bench_train.parser.parse_args(TINY)
     model = bench_train.build("tiny", torch.device("cpu"))
     model.set_attn_implementation("eager")  # attention as matmuls, which the counter counts
@@ -83,6 +84,46 @@ def test_flops_match_pytorchs_count(backward, one_thread):
         if backward:
             logp.sum().backward()
     counted = counter.get_total_flops()
-    assert bench_train.pass_flops(model, args, len(prompts), backward) == pytest.approx(counted,
-                                                                                        rel=0.02)
+    computed = bench_train.pass_flops(model, args, len(prompts), backward, pairs="computed")
+    assert computed == pytest.approx(counted, rel=0.02)
+    allowed, every = bench_train.attention_pairs(args)
+    refused = (every - allowed) * 4 * model.config.hidden_size * model.config.num_hidden_layers
+    packs = len(prompts) // args.group_size
+    assert computed - bench_train.pass_flops(model, args, len(prompts), backward) == \
+        packs * refused * (3 if backward else 1)
 
+
+def test_the_mfu_counts_the_pairs_the_mask_allows(one_thread, monkeypatch):
+    """attention_pairs' allowed pairs are the True entries of the block mask token_logprobs hands the
+    model (one pack a group, no padding at these shapes), its computed pairs the pack's L x L; the
+    MFU over the allowed pairs is the smaller, reported beside the one over every pair."""
+    args = bench_train.parser.parse_args([*TINY, "--prompt-tokens", "5", "--response-tokens", "7",
+                                          "--group-size", "3"])
+    model = bench_train.build("tiny", torch.device("cpu"))
+    prompts, responses, mask = bench_train.batch_of(args, model.config.vocab_size, "cpu")
+    masks, forward = [], model.forward
+
+    def recorded(*a, **kwargs):
+        masks.append(kwargs["attention_mask"])
+        return forward(*a, **kwargs)
+    monkeypatch.setattr(model, "forward", recorded)
+    logprobs.token_logprobs(model, prompts, responses, mask, 1.0, torch.float32)
+    (allowed,) = masks
+    packs = len(prompts) // args.group_size
+    assert allowed.shape[0] == packs
+    assert bench_train.attention_pairs(args) == (allowed[0].sum().item(), allowed[0].numel())
+    assert (allowed.sum(dim=(1, 2, 3)) == allowed[0].sum()).all()
+    both = bench_train.mfus(model, args, len(prompts), True, seconds=2.0, peak=1e12)
+    assert 0 < both["mfu"] < both["mfu_all_pairs"]
+
+
+@pytest.mark.parametrize("name, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H200", 989e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A10", 125e12), ("NVIDIA L4", 121e12),
+    ("NVIDIA L40S", 362e12), ("NVIDIA GeForce RTX 4090", 165e12), ("NVIDIA B200", 2250e12),
+    ("Tesla T4", None)])
+def test_each_card_gets_its_own_peak(monkeypatch, name, peak):
+    """The MFU's denominator by torch.cuda's device name: the PCIe H100 not taken for the SXM one,
+    an A100 not for an A10, an L40S not for an L4; a card not in the table gets no MFU."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert bench_train.machine(torch.device("cuda"))["bf16_peak_flops"] == peak

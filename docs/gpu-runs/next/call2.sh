@@ -6,7 +6,7 @@
 # passes) on random weights of SmolLM2's shape (the embedded model's config and tokenizer, carried
 # in .gpu/w/smollm2). Then one training step's phases at the 1.5B and 0.5B shapes as train.py now runs
 # them (no-grad passes in bf16x6), for the targets' MFU and share; where one group's gradient pass and
-# no-grad pass spend their time at 1.5B (the first profile of the trainer on a GPU: why 16% MFU); and
+# no-grad pass spend their time at 1.5B (the first profile of the trainer on a GPU: why 12.8% MFU); and
 # attention by segments against the block mask, each response now its own causal sequence (SDPA's
 # flash kernel in bf16, no mask; the H200 ran 3-D segments on its math kernels), in both passes: the
 # rule registered in docs/benchmarks.md decides train.py's attention on CUDA. Carrying .gpu/w.

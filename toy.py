@@ -135,8 +135,8 @@ def all_sequences(T):
 def expected_gradient(kind, place, T, theta=THETA, ref=REF):
     """E_pi[grad of the KL term] of one configuration (beta = 1, R = 0), exactly, as a (2,) tensor
     in (a, b): all 2^T sequences, each weighted by its detached probability pi(y), through the real
-    training_loss. Table 1 by enumeration: k1 reward -> grad KL, k1 loss -> 0, k3 reward -> eq. 19,
-    k3 loss -> eq. 41."""
+    training_loss. Table 1 by enumeration: k1 reward -> grad KL, k1 loss -> 0, k3 reward -> eq. 15
+    (grad KL plus eq. 19's bias term), k3 loss -> eq. 41."""
     y, _ = all_sequences(T)
     a, b = (torch.tensor(v, dtype=f64, requires_grad=True) for v in theta)
     logp = bernoulli_logp(toy_logits(a, b, y), y)

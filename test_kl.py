@@ -409,7 +409,7 @@ def test_policy_loss_gradient_and_clipping():
     assert close(grad, torch.tensor([[-0.5, -1.1, 0.0], [0.0, 1.1, 1.5]], dtype=f64) / 6)
 
 
-# ---- off-policy: samples from a behaviour policy mu != pi (sec. 3, last paragraph) -------------
+# ---- off-policy: samples from a behaviour policy mu != pi (sec. 3.2, last paragraph) -----------
 
 # (T, pi's (a, b), mu's (a, b), pi_ref's (a, b), beta)
 OFF_CASES = [(1, (0.3, 0.0), (-0.2, 0.0), (-0.4, 0.0), 1.0),

@@ -32,8 +32,8 @@ On-policy, the expected gradient of the KL term is then (test_kl.py checks each 
     k3 loss    sum_t E[grad KL(pi_ref(.|y<t) || pi(.|y<t))]  (token fwd KL) biased   (eqs. 16, 41)
     k1/k3 both grad KL                                                     unbiased  (sec. 3.1, 4.3)
 
-paper.md numbers two consecutive lines (41): we cite the second, sum_t E_{y<t}[grad KL(pi_ref ||
-pi)]; the first is the same expectation written with y_t ~ pi_ref.
+The paper (arXiv 2512.21852, app. F.4) numbers two consecutive lines (41): we cite the second,
+sum_t E_{y<t}[grad KL(pi_ref || pi)]; the first is the same expectation written with y_t ~ pi_ref.
 
 Off-policy (samples of mu != pi, the ratio pi/mu per token) every line above is biased; "weighted",
 E_mu[w K1 grad log pi(y)] = grad KL, is not (test_kl.py: test_off_policy_table1).

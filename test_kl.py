@@ -70,8 +70,8 @@ def references(m):
         closed_form=(pi[:, None] * score * log_ratio[:, None]).sum(0),  # eqs. 21-22
         # eq. 19: E[sum_t r_t grad log pi(y)]
         eq19=(pi[:, None] * score * r.sum(1, keepdim=True)).sum(0),
-        # eq. 41 (the second of paper.md's two lines (41)): sum_t E_{y<t}[grad KL(pi_ref || pi)],
-        # with d/dz KL(Bern(q) || Bern(p)) = p - q
+        # eq. 41 (arXiv 2512.21852, app. F.4, numbers two lines (41); this is the second):
+        # sum_t E_{y<t}[grad KL(pi_ref || pi)], with d/dz KL(Bern(q) || Bern(p)) = p - q
         eq41=(pi[:, None] * per_param(p - q).sum(1)).sum(0),
         # token-level reverse KL, prefix frozen: d/dz KL(Bern(p) || Bern(q)) = p (1 - p) (z - z_ref)
         k2_path=(pi[:, None] * per_param(p * (1 - p) * (z - z_ref)).sum(1)).sum(0),
@@ -133,7 +133,7 @@ def test_estimators_expectation(T, theta, ref, beta):
     pi = m["logp"].sum(-1).exp().detach()
     kl = references(m)["kl"]
     expect = lambda kind: (pi * estimate(m["logp"].detach(), m["ref_logp"], kind).sum(-1)).sum()
-    assert close(expect("k1"), kl)  # eq. 11: unbiased
+    assert close(expect("k1"), kl)  # K1 (eq. 11) is unbiased: app. F.3, after eq. 30
     assert close(expect("k3"), kl)  # eqs. 34-37: unbiased
     if T > 1:
         assert (expect("k2") - kl).abs() > 1e-4  # K2 is not an unbiased estimate of the KL

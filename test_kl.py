@@ -3,9 +3,10 @@
 Every expectation below is an exact sum over all 2^T binary sequences, each weighted by its
 (detached) probability passed through the float mask of the real `policy_loss` / `kl_loss`, with
 num_tokens = 1. So every claim of sec. 3 and appendix F about an expectation (of an estimator or of
-its gradient) is checked to 1e-9, not statistically. Claims about variance are not all checked:
-K3's lower variance (sec. 3.2.2) is not; the KL to go's (app. F.3, last paragraph) is, below. The references (eqs. 19, 21-22, 41) are computed
-independently, by hand-derived formulas for Bernoulli tokens.
+its gradient) is checked to 1e-9, not statistically. Of the claims about variance, only the KL to
+go's (app. F.3, last paragraph) is checked, below; K3's lower variance (sec. 3.2.2) is not. The
+references (eqs. 19, 21-22, 41) are computed independently, by hand-derived formulas for Bernoulli
+tokens.
 """
 
 import itertools

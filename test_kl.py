@@ -444,8 +444,8 @@ def off_policy_grad(m, mu_logp, kind, place, beta, shape_logp=None):
 
 def sequence_weighted_grad(m, mu_logp, beta, estimator):
     """grad E_mu[beta sum_i w_i sg[K_i]] / beta, w_i = prod_t pi/mu: kl.off_policy_kl_loss; or, with
-    estimator="k2", Liu et al.'s importance-weighted K2-as-loss, sg[w_i] K2 of the whole
-    sequence."""
+    estimator="k2", Liu et al.'s (arXiv 2510.01555) importance-weighted K2-as-loss, sg[w_i] K2 of
+    the whole sequence."""
     weight = mu_logp.sum(-1, keepdim=True).exp() * torch.ones_like(m["logp"])
     if estimator == "k1":
         loss = off_policy_kl_loss(m["logp"], mu_logp, m["ref_logp"], weight, beta, num_tokens=1)
@@ -498,7 +498,7 @@ def test_off_policy_table1(T, theta, mu, ref, beta):
     async_k1 = off_policy_grad(m, mu_logp, "k1", "reward", beta, shape_logp=m["logp"].detach())
     assert (async_k1 - true).abs().max() > 1e-3 if T > 1 else close(async_k1, true)
     assert close(sequence_weighted_grad(m, mu_logp, beta, "k1"), true)  # unbiased off-policy
-    # Liu et al.'s importance-sampling correction, on the whole sequence's K2
+    # Liu et al.'s (2510.01555) importance-sampling correction, on the whole sequence's K2
     assert close(sequence_weighted_grad(m, mu_logp, beta, "k2"), true)
     # on-policy (mu = pi) the weighted loss is K1-in-reward, value and gradient
     pi_logp = m["logp"].detach()

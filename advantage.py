@@ -1,10 +1,11 @@
 """Advantages and the policy-gradient loss (paper sec. 2 and 4.1).
 
-The paper trains with REINFORCE leave-one-out advantages (RLOO, Ahmadian et al. 2024) and a PPO-clip
-surrogate normalized by the total number of response tokens in the batch (sec. 4.1). Sequences are
-laid out in contiguous groups of `group_size` samples of the same prompt. For comparison,
-`group_mean` (Dr. GRPO, Liu et al. 2025) and `group_normalized` (GRPO, Shao et al. 2024) baselines
-are one function each.
+The paper trains with REINFORCE leave-one-out advantages (RLOO, Ahmadian et al. 2024) and a loss
+normalized by the total number of response tokens in the batch (sec. 4.1); `policy_loss` is the
+PPO-clip surrogate of eq. 4 (sec. 2) with that normalization. Sequences are laid out in contiguous
+groups of `group_size` samples of the same prompt. For comparison, `group_mean` (Dr. GRPO: Z. Liu et
+al. 2025, arXiv 2503.20783, the paper's sec. 4.2) and `group_normalized` (GRPO, Shao et al. 2024)
+baselines are one function each.
 """
 
 import math

@@ -18,10 +18,11 @@ gradient you get:
     place="none":   no KL at all (beta = 0)
     place="weighted": w sg[K1] in the loss, w = prod_t pi/mu (off_policy_kl_loss; train.py's loop)
 
-In the reward, the KL may also be summed from each token to the end (`kl_to_go`, OpenRLHF's
-per-token KL reward with gamma = 1): token t's return is R - beta sum_{s>=t} sg[KL_s]. The KL of
-earlier tokens has no expected gradient (E[grad log pi(y_t | y<t) | y<t] = 0), so for K1 this is
-still grad KL, usually with less variance (toy.kl_gradient_moments: 4x less at T = 8; not
+In the reward, the KL may also be summed from each token to the end (`kl_to_go`): token t's return
+is R - beta sum_{s>=t} sg[KL_s]. The paper suggests it (app. F.3, last paragraph: remove the past
+tokens from the sum to reduce variance); OpenRLHF's per-token KL reward with gamma = 1 computes it.
+The KL of earlier tokens has no expected gradient (E[grad log pi(y_t | y<t) | y<t] = 0), so for K1
+this is still grad KL, usually with less variance (toy.kl_gradient_moments: 4x less at T = 8; not
 always, e.g. at T = 2 with pi near pi_ref; test_kl.py checks the mean exactly).
 
 On-policy, the expected gradient of the KL term is then (test_kl.py checks each line exactly):
@@ -32,8 +33,8 @@ On-policy, the expected gradient of the KL term is then (test_kl.py checks each 
     k3 loss    sum_t E[grad KL(pi_ref(.|y<t) || pi(.|y<t))]  (token fwd KL) biased   (eqs. 16, 41)
     k1/k3 both grad KL                                                     unbiased  (sec. 3.1, 4.3)
 
-paper.md numbers two consecutive lines (41): we cite the second, sum_t E_{y<t}[grad KL(pi_ref ||
-pi)]; the first is the same expectation written with y_t ~ pi_ref.
+The paper (arXiv 2512.21852, app. F.4) numbers two consecutive lines (41): we cite the second,
+sum_t E_{y<t}[grad KL(pi_ref || pi)]; the first is the same expectation written with y_t ~ pi_ref.
 
 Off-policy (samples of mu != pi, the ratio pi/mu per token) every line above is biased; "weighted",
 E_mu[w K1 grad log pi(y)] = grad KL, is not (test_kl.py: test_off_policy_table1).

@@ -2,7 +2,9 @@
 
 Every expectation below is an exact sum over all 2^T binary sequences, each weighted by its
 (detached) probability passed through the float mask of the real `policy_loss` / `kl_loss`, with
-num_tokens = 1. So every claim of sec. 3 and appendix F is checked to 1e-9, not statistically. The
+num_tokens = 1. So every claim of sec. 3 and appendix F about an expectation (of an estimator or of
+its gradient) is checked to 1e-9, not statistically. Of the claims about variance, only the KL to
+go's (app. F.3, last paragraph) is checked, below; K3's lower variance (sec. 3.2.2) is not. The
 references (eqs. 19, 21-22, 41) are computed independently, by hand-derived formulas for Bernoulli
 tokens.
 """
@@ -70,8 +72,8 @@ def references(m):
         closed_form=(pi[:, None] * score * log_ratio[:, None]).sum(0),  # eqs. 21-22
         # eq. 19: E[sum_t r_t grad log pi(y)]
         eq19=(pi[:, None] * score * r.sum(1, keepdim=True)).sum(0),
-        # eq. 41 (the second of paper.md's two lines (41)): sum_t E_{y<t}[grad KL(pi_ref || pi)],
-        # with d/dz KL(Bern(q) || Bern(p)) = p - q
+        # eq. 41 (arXiv 2512.21852, app. F.4, numbers two lines (41); this is the second):
+        # sum_t E_{y<t}[grad KL(pi_ref || pi)], with d/dz KL(Bern(q) || Bern(p)) = p - q
         eq41=(pi[:, None] * per_param(p - q).sum(1)).sum(0),
         # token-level reverse KL, prefix frozen: d/dz KL(Bern(p) || Bern(q)) = p (1 - p) (z - z_ref)
         k2_path=(pi[:, None] * per_param(p * (1 - p) * (z - z_ref)).sum(1)).sum(0),
@@ -133,7 +135,7 @@ def test_estimators_expectation(T, theta, ref, beta):
     pi = m["logp"].sum(-1).exp().detach()
     kl = references(m)["kl"]
     expect = lambda kind: (pi * estimate(m["logp"].detach(), m["ref_logp"], kind).sum(-1)).sum()
-    assert close(expect("k1"), kl)  # eq. 11: unbiased
+    assert close(expect("k1"), kl)  # K1 (eq. 11) is unbiased: app. F.3, after eq. 30
     assert close(expect("k3"), kl)  # eqs. 34-37: unbiased
     if T > 1:
         assert (expect("k2") - kl).abs() > 1e-4  # K2 is not an unbiased estimate of the KL
@@ -409,7 +411,7 @@ def test_policy_loss_gradient_and_clipping():
     assert close(grad, torch.tensor([[-0.5, -1.1, 0.0], [0.0, 1.1, 1.5]], dtype=f64) / 6)
 
 
-# ---- off-policy: samples from a behaviour policy mu != pi (sec. 3, last paragraph) -------------
+# ---- off-policy: samples from a behaviour policy mu != pi (sec. 3.2, last paragraph) -----------
 
 # (T, pi's (a, b), mu's (a, b), pi_ref's (a, b), beta)
 OFF_CASES = [(1, (0.3, 0.0), (-0.2, 0.0), (-0.4, 0.0), 1.0),
@@ -442,8 +444,8 @@ def off_policy_grad(m, mu_logp, kind, place, beta, shape_logp=None):
 
 def sequence_weighted_grad(m, mu_logp, beta, estimator):
     """grad E_mu[beta sum_i w_i sg[K_i]] / beta, w_i = prod_t pi/mu: kl.off_policy_kl_loss; or, with
-    estimator="k2", Liu et al.'s importance-weighted K2-as-loss, sg[w_i] K2 of the whole
-    sequence."""
+    estimator="k2", Liu et al.'s (arXiv 2510.01555) importance-weighted K2-as-loss, sg[w_i] K2 of
+    the whole sequence."""
     weight = mu_logp.sum(-1, keepdim=True).exp() * torch.ones_like(m["logp"])
     if estimator == "k1":
         loss = off_policy_kl_loss(m["logp"], mu_logp, m["ref_logp"], weight, beta, num_tokens=1)
@@ -496,7 +498,7 @@ def test_off_policy_table1(T, theta, mu, ref, beta):
     async_k1 = off_policy_grad(m, mu_logp, "k1", "reward", beta, shape_logp=m["logp"].detach())
     assert (async_k1 - true).abs().max() > 1e-3 if T > 1 else close(async_k1, true)
     assert close(sequence_weighted_grad(m, mu_logp, beta, "k1"), true)  # unbiased off-policy
-    # Liu et al.'s importance-sampling correction, on the whole sequence's K2
+    # Liu et al.'s (2510.01555) importance-sampling correction, on the whole sequence's K2
     assert close(sequence_weighted_grad(m, mu_logp, beta, "k2"), true)
     # on-policy (mu = pi) the weighted loss is K1-in-reward, value and gradient
     pi_logp = m["logp"].detach()

@@ -8,7 +8,10 @@ Binary sequences y_1..y_T from p_t = sigmoid(a + b c_{t-1}), c_{t-1} = y_1 + ...
    KL(A || B), over the length T: `trials` trials of N = `samples` sequences drawn from A.
 2. Convergence: a tabular policy (one logit per prefix, so the optimum pi* ~ pi_ref exp(R / beta) is
    reachable) climbs E[R] - beta KL(pi || pi_ref) with each configuration's *exact expected*
-   gradient, summing over all 2^T sequences. Where it lands is Table 1's "Behavior" column.
+   gradient, summing over all 2^T sequences: where each configuration's mean update leads. Table 1's
+   "Behavior" column is sec. 4.1's LLM runs, which sampled gradients also shape (sec. 4.1's
+   "potential explanation" of K1-in-loss's instabilities is variance); exact-gradient descent
+   cannot show that.
 
     python toy.py --out DIR
         # figure1.{json,png}, converge.{json,png}, offpolicy.{json,png}, weight_controls.json
@@ -135,8 +138,8 @@ def all_sequences(T):
 def expected_gradient(kind, place, T, theta=THETA, ref=REF):
     """E_pi[grad of the KL term] of one configuration (beta = 1, R = 0), exactly, as a (2,) tensor
     in (a, b): all 2^T sequences, each weighted by its detached probability pi(y), through the real
-    training_loss. Table 1 by enumeration: k1 reward -> grad KL, k1 loss -> 0, k3 reward -> eq. 19,
-    k3 loss -> eq. 41."""
+    training_loss. Table 1 by enumeration: k1 reward -> grad KL, k1 loss -> 0, k3 reward -> eq. 15
+    (grad KL plus eq. 19's bias term), k3 loss -> eq. 41."""
     y, _ = all_sequences(T)
     a, b = (torch.tensor(v, dtype=f64, requires_grad=True) for v in theta)
     logp = bernoulli_logp(toy_logits(a, b, y), y)

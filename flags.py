@@ -1,5 +1,5 @@
 """train.py's flags: its argparse parser, grouped as the paper's sections, and check_flags, which
-names the first bad one in a line. The help of each flag says what the paper used (sec. 4.1, app. B);
+names the first bad one in a line. Each flag's help says what the paper used (sec. 4.1, app. B);
 docs/gpu.md has the paper's recipe as a command.
 """
 import argparse

@@ -18,16 +18,16 @@ One step of `main` (Table 1's four configurations are the comments marked `K1-in
 
 Where it departs from the paper, or fills in what the paper leaves unsaid:
 - Batch size: sec. 4.1 sets the "total training batch size and mini-batch size to 256"; we read 256
-  as prompts (--prompts-per-step 256), verl's convention (the paper ran verl), and "5 rollouts per
-  prompt (i.e. group size G = 4)" as 5 samples a prompt (--group-size 5; app. B's K = 5).
+  as prompts (--prompts-per-step 256), verl's convention (the paper ran verl, app. B), and "5
+  rollouts per prompt (i.e. group size G = 4)" as 5 samples a prompt (--group-size 5, app. B's K).
 - Of the optimizer the paper gives the learning rate (1e-6); the rest is verl's defaults: AdamW with
   weight decay 0.01, the gradient's norm clipped at 1.0, a constant learning rate, PPO clip 0.2.
 - The losses are summed over tokens and divided by the batch's response tokens (sec. 4.1), not
   averaged over each sequence's own tokens as eq. 4 writes them.
 - K3 is exact unless --kl-clamp verl, verl's bounds, which the paper's K3 runs likely had (our
   inference: the paper does not say).
-- Sec. 4.2's asynchronous runs used prime-rl, whose async level is a maximum lag; --async-lag N
-  always trains N batches behind.
+- Sec. 4.2's asynchronous runs used prime-rl (app. B), whose async level is a maximum lag;
+  --async-lag N always trains N batches behind.
 - The defaults are a run for a CPU (SmolLM2-135M-Instruct on arith); docs/gpu.md has the paper's.
 
 Precision: fp32 master weights and AdamW state. The no-grad log-probs that feed the KL and the ratio
@@ -298,9 +298,9 @@ def minibatch_logprobs(args, policy, batch, minibatch, first):
 
 
 def gradient_logprobs(args, policy, batch, rows, exact_logp):
-    """log pi(y_t | x, y<t) of the rows with a gradient, computed in --dtype (bf16 autocast where the
-    device has it) and valued at exact_logp, the --logprob-dtype pass: logp + sg[exact - logp], so
-    the losses' values are exact and only the gradient's direction carries --dtype's rounding."""
+    """log pi(y_t | x, y<t) of the rows with a gradient, computed in --dtype (bf16 autocast where
+    the device has it) and valued at exact_logp, the --logprob-dtype pass: logp + sg[exact - logp],
+    so the losses' values are exact and only the gradient's direction carries --dtype's rounding."""
     dtype, logprob_dtype = compute_dtypes(args, batch)
     logp, _ = logprobs.token_logprobs(policy, [batch.prompts[r] for r in rows], batch.tokens[rows],
                                       batch.mask[rows], args.temperature, dtype)
@@ -310,7 +310,7 @@ def gradient_logprobs(args, policy, batch, rows, exact_logp):
 
 
 def compute_dtypes(args, batch):
-    """(--dtype, --logprob-dtype), as main resolved them: the gradient pass's, the no-grad passes'."""
+    """(--dtype, --logprob-dtype) as main resolved them: the gradient pass's, the no-grad ones'."""
     return (getattr(torch, args.dtype),
             runtime.logprob_dtype(args.logprob_dtype, batch.tokens.device))
 
@@ -347,9 +347,9 @@ def micro_batches(args, policy, batch, minibatch):
 
 
 def backward_over_ranks(loss):
-    """loss.backward(), scaled by the number of ranks: DDP and FSDP average gradients over the ranks,
-    and num_tokens counts all ranks' tokens already, so the step's gradient is the sum over every
-    rank's tokens / num_tokens, whatever the number of ranks."""
+    """loss.backward(), scaled by the number of ranks: DDP and FSDP average gradients over the
+    ranks, and num_tokens counts all ranks' tokens already, so the step's gradient is the sum over
+    every rank's tokens / num_tokens, whatever the number of ranks."""
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     (loss * world_size).backward()
 

@@ -1,7 +1,7 @@
 """On-policy RLOO fine-tuning of an LLM with a KL penalty (paper sec. 2-4, app. B).
 
-The paper's sec. 4.1 setup, with verl's defaults where the paper is silent (AdamW, weight decay
-0.01, gradient clipping at 1.0, constant learning rate, PPO clip 0.2). One step of `main`:
+One step of `main` (Table 1's four configurations are the comments marked `K1-in-reward`,
+`K3-in-reward`, `K1-in-loss`, `K3-in-loss`: `grep -n K3-in-loss *.py`):
   1. rollout    --group-size completions for each of --prompts-per-step prompts, from the policy
   2. reward     each completion's verifiable reward R in [0, 1] (data.score, reward.py)
   3. log-probs  log pi(y_t | x, y<t) of every sampled token under the policy (no grad) and the
@@ -14,7 +14,21 @@ The paper's sec. 4.1 setup, with verl's defaults where the paper is silent (Adam
                 `num_tokens`
   7. step       one AdamW step per minibatch: --minibatches 1 is strictly on-policy (the ratio is
                 exactly 1), 4 the paper's off-policy variant (Fig. 2 centre)
---place none (or --beta 0) never loads the reference.
+--place none (or --beta 0) never loads the reference. The flags and their checks: flags.py.
+
+Where it departs from the paper, or fills in what the paper leaves unsaid:
+- Batch size: sec. 4.1 sets the "total training batch size and mini-batch size to 256"; we read 256
+  as prompts (--prompts-per-step 256), verl's convention (the paper ran verl, app. B), and "5
+  rollouts per prompt (i.e. group size G = 4)" as 5 samples a prompt (--group-size 5, app. B's K).
+- Of the optimizer the paper gives the learning rate (1e-6); the rest is verl's defaults: AdamW with
+  weight decay 0.01, the gradient's norm clipped at 1.0, a constant learning rate, PPO clip 0.2.
+- The losses are summed over tokens and divided by the batch's response tokens (sec. 4.1), not
+  averaged over each sequence's own tokens as eq. 4 writes them.
+- K3 is exact unless --kl-clamp verl, verl's bounds, which the paper's K3 runs likely had (our
+  inference: the paper does not say).
+- Sec. 4.2's asynchronous runs used prime-rl (app. B), whose async level is a maximum lag;
+  --async-lag N always trains N batches behind.
+- The defaults are a run for a CPU (SmolLM2-135M-Instruct on arith); docs/gpu.md has the paper's.
 
 Precision: fp32 master weights and AdamW state. The no-grad log-probs that feed the KL and the ratio
 are fp32 (--logprob-dtype; on CUDA fp32 from bf16 tensor cores, systems/split_matmul.py): in bf16 their
@@ -31,7 +45,6 @@ Checkpoints and --resume: systems/checkpoint.py.
     python train.py --kl k1 --place reward          # SmolLM2-135M-Instruct on arith, on a CPU
     torchrun --nproc_per_node=8 train.py --kl k3 --place loss --fsdp --model Qwen/Qwen2.5-7B ...
 """
-import argparse
 import collections
 import contextlib
 import json
@@ -49,389 +62,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import advantage
-from systems import checkpoint
 import data
 import kl
 import logprobs
-from systems import report
 import rollout
-from systems import runtime
+from flags import ADVANTAGES, check_flags, parser  # train.parser, train.check_flags: lab/, tests/
+from systems import checkpoint, report, runtime
 from systems.hub import HubUnreachable
+from systems.metrics import importance_weights, step_metrics
 from systems.model import load_model, load_tokenizer, stop_token_ids
-
-ADVANTAGES = {"rloo": advantage.rloo, "drgrpo": advantage.group_mean,
-              "grpo": advantage.group_normalized}
-
-parser = argparse.ArgumentParser(description="KL-regularized RLOO fine-tuning of an LLM",
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-group = parser.add_argument_group("KL regularization (sec. 3, Table 1)")
-group.add_argument("--kl", required=True, choices=kl.KINDS,
-                   help="token-level estimator: k1 = log pi/pi_ref (eq. 11), "
-                        "k2 = (log pi/pi_ref)^2 / 2, k3 = r - 1 - log r with r = pi_ref/pi "
-                        "(eq. 14)")
-group.add_argument("--place", required=True, choices=kl.PLACES,
-                   help="where the estimate goes: the reward (eq. 7), the loss (eq. 9), both, "
-                        "none; weighted = w sg[K1] in the loss, w = prod_t pi/mu: unbiased "
-                        "off-policy")
-group.add_argument("--beta", type=float, default=0.05,
-                   help="KL coefficient (paper: 0.05, 0.1, 0.3, 1; 0.005 in the asynchronous runs "
-                        "of sec. 4.2)")
-group.add_argument("--kl-clamp", default="none", choices=kl.CLAMPS,
-                   help="none = the exact estimator; verl = verl's low_var_kl bounds on K3 "
-                        "(log r in [-20, 20], K3 in [-10, 10]); the paper ran verl, so its K3 runs "
-                        "likely had them (our inference: the paper does not say)")
-group = parser.add_argument_group("RLOO and PPO (sec. 2, 4.1)")
-group.add_argument("--group-size", type=int, default=4,
-                   help="completions per prompt, the RLOO group (paper: 5; sec. 4.1's '5 rollouts "
-                        "per prompt (i.e. group size G = 4)', app. B's K = 5)")
-group.add_argument("--prompts-per-step", type=int, default=8,
-                   help="prompts per step over all ranks (paper: 256)")
-group.add_argument("--minibatches", type=int, default=1,
-                   help="optimizer steps per sampled batch: 1 = on-policy (paper), "
-                        "4 = off-policy (Fig. 2)")
-group.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (paper: 1e-6)")
-group.add_argument("--clip-eps", type=float, default=0.2,
-                   help="PPO clip range of the ratio (eq. 4; verl's default)")
-group.add_argument("--max-grad-norm", type=float, default=1.0,
-                   help="clip the global gradient norm to this")
-group.add_argument("--steps", type=int, default=20,
-                   help="training steps, one sampled batch each (paper: 250)")
-group.add_argument("--advantage", default="rloo", choices=ADVANTAGES,
-                   help="rloo = leave-one-out baseline (sec. 4.1); drgrpo = group mean (Dr. GRPO, "
-                        "the asynchronous runs of sec. 4.2); grpo = group mean and std")
-group = parser.add_argument_group("asynchronous RL (sec. 4.2)")
-group.add_argument("--async-lag", type=int, default=0,
-                   help="train on batches sampled N steps earlier, by the weights of N batches ago "
-                        "(prime-rl's async level, always its most; with --minibatches k that is "
-                        "N * k updates; paper: 10); 0 = on-policy")
-group.add_argument("--behaviour", default="sampler", choices=("sampler", "trainer"),
-                   help="mu of every importance ratio (--minibatches > 1, --async-lag, --place "
-                        "weighted): sampler = the log-probs the sampler drew with, trainer = the "
-                        "fp32 trainer's at the weights that sampled (lag 0 only)")
-group.add_argument("--loss", default="ppo", choices=("ppo", "truncated"),
-                   help="ppo = PPO clip (eq. 4); truncated = prime-rl's -min(w, C) A per token, "
-                        "w against the log-probs of the sampler")
-group.add_argument("--is-cap", type=float, default=8.0,
-                   help="C of --loss truncated (prime-rl: 8) and of --is-weight truncated")
-group.add_argument("--is-weight", default="exact",
-                   choices=("exact", "truncated", "self-normalized"),
-                   help="w of --place weighted: exact = prod_t pi/mu (unbiased; capped at e^30, "
-                        "past which an update overflows), truncated = min(w, --is-cap), "
-                        "self-normalized = w / mean w over the minibatch (both biased, less "
-                        "variance: docs/toy.md)")
-group = parser.add_argument_group("sampling")
-group.add_argument("--max-new-tokens", type=int, default=40,
-                   help="response length cap (paper: 1024)")
-group.add_argument("--temperature", type=float, default=1.0,
-                   help="sampling temperature; the trainer's log-probs use it too (paper: 1.0)")
-group.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus sampling: training takes only 1.0, the distribution its log-probs "
-                        "are under")
-group.add_argument("--compile-sampler", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the fixed-shape decode step (CUDA's loop) with torch.compile, "
-                        "Inductor fusing each layer's small kernels (rollout.compiled_step; about "
-                        "2 minutes at the first step at 7B); default: on the devices "
-                        "runtime.COMPILED_SAMPLER_ON names (none until a GPU has timed it)")
-group.add_argument("--generate-rows", type=int, default=0,
-                   help="rows one generate call decodes at a time, sampling and --eval-every's "
-                        "evaluation, the same samples (0 = auto: as many as fit their KV cache in "
-                        "half the GPU memory free; all on a CPU)")
-group = parser.add_argument_group("model and data")
-group.add_argument("--model", default="smollm2-135m",
-                   help="policy and reference: a hub id, a save_pretrained directory, "
-                        "or smollm2-135m")
-group.add_argument("--trust-remote-code", action="store_true",
-                   help="allow the model's own code from the hub")
-group.add_argument("--task", default="arith",
-                   help="training task: a data.py task (math, countdown, arith...) "
-                        "or a .jsonl file")
-group.add_argument("--eval-every", type=int, default=0,
-                   help="evaluate (Pass@1, eval.py) every N steps; 0 = never")
-group.add_argument("--eval-tasks", default=None,
-                   help="comma-separated data.py tasks to evaluate on, test split "
-                        "(default: the training task)")
-group.add_argument("--eval-limit", type=int, default=None,
-                   help="evaluate on N problems of each task")
-group.add_argument("--seed", type=int, default=0, help="seeds the prompt order and the sampler")
-group = parser.add_argument_group("output")
-group.add_argument("--out", default=None,
-                   help="output directory, new or empty unless --resume "
-                        "(default: runs/TASK-MODEL-KL-in-PLACE-BETA-seedSEED)")
-group.add_argument("--save-every", type=int, default=0,
-                   help="checkpoint OUT/step_N every N steps; 0 = only OUT/final")
-group.add_argument("--keep-last", type=int, default=0,
-                   help="keep only the N newest OUT/step_N (0 = all); OUT/final always stays")
-group.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in --out")
-group.add_argument("--max-bad-steps", type=int, default=3,
-                   help="stop after this many updates in a row with a non-finite loss or gradient")
-group.add_argument("--report-to", default="none", choices=report.CHOICES,
-                   help="also log metrics.jsonl's rows live to TensorBoard (event files in OUT) or "
-                        "W&B (WANDB_MODE=offline: files in OUT/wandb), from rank 0 (systems/report.py)")
-group = parser.add_argument_group("system")
-group.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
-                   help="compute dtype of the sampler and the gradient pass (weights and AdamW "
-                        "state stay fp32); auto = bf16 where the device has it")
-group.add_argument("--logprob-dtype", default="auto",
-                   choices=("auto", "float32", "bf16x6", "bfloat16"),
-                   help="dtype of the log-probs that feed the KL, the ratio and the loss values: "
-                        "float32 = exact, bf16x6 = fp32 from six bf16 tensor-core products "
-                        "(systems/split_matmul.py), bfloat16 = the fast, noisy way; auto = float32 on a "
-                        "CPU, on CUDA the pick of docs/precision.md's registered rule (bf16x6)")
-group.add_argument("--micro-batch", type=int, default=8,
-                   help="sequences per forward/backward (the gradient does not depend on it; 8 "
-                        "keeps the default run under 4 GiB whatever the responses' lengths)")
-group.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=True,
-                   help="recompute each decoder layer's activations in the backward pass: the "
-                        "same gradient, ~1 GB less memory at the defaults, no slower on a CPU "
-                        "(docs/benchmarks.md)")
-group.add_argument("--fsdp", action="store_true",
-                   help="shard weights, gradients and AdamW state over the ranks "
-                        "(FSDP2, under torchrun)")
-
-
-def check_flags(args, world_size):
-    """The first bad flag as a one-line message, or None."""
-    per_rank = args.prompts_per_step // world_size * args.group_size
-    for ok, message in [
-        (args.group_size >= 2, f"--group-size must be at least 2 (RLOO needs other samples), got "
-                               f"{args.group_size}"),
-        (args.beta >= 0, f"--beta must be >= 0, got {args.beta}"),
-        (args.prompts_per_step > 0 and args.prompts_per_step % world_size == 0,
-         f"--prompts-per-step ({args.prompts_per_step}) must be a positive multiple of the "
-         f"{world_size} ranks"),
-        (1 <= args.minibatches <= per_rank,
-         f"--minibatches must be between 1 and the sequences per rank, got {args.minibatches}"),
-        (args.micro_batch >= 1 and args.max_new_tokens >= 1 and args.steps >= 0 and args.lr > 0
-         and args.generate_rows >= 0,
-         "--micro-batch and --max-new-tokens must be >= 1, --steps and --generate-rows >= 0, "
-         "--lr > 0"),
-        (args.temperature > 0, "--temperature must be > 0"),
-        (0 <= args.seed < 2**12, f"--seed must be 0-4095 (eval.py's seeds), got {args.seed}"),
-        (args.async_lag >= 0 and args.is_cap > 0, "--async-lag must be >= 0, --is-cap > 0"),
-        (args.place != "weighted" or args.kl == "k1", "--place weighted weights K1: use --kl k1"),
-        (args.kl_clamp == "none" or (args.kl == "k3" and args.place in ("reward", "loss", "both")),
-         "--kl-clamp verl bounds K3 in the reward or the loss only: use --kl k3 with --place "
-         "reward, loss or both, or --kl-clamp none"),
-        (args.behaviour == "sampler" or not args.async_lag,
-         "--behaviour trainer needs --async-lag 0: the weights that sampled N steps ago are gone, "
-         "the sampler's log-probs are the only record of mu"),
-        (args.top_p == 1, "--top-p < 1 is for eval.py: the trainer's log-probs, ratio and KL are "
-                          "under the full softmax, so they would describe another distribution "
-                          "than the one sampled"),
-        (args.eval_every >= 0 and args.save_every >= 0 and args.keep_last >= 0
-         and args.max_bad_steps >= 1,
-         "--eval-every, --save-every and --keep-last must be >= 0, --max-bad-steps >= 1"),
-        (not args.fsdp or "RANK" in os.environ,
-         "--fsdp needs torchrun: torchrun --nproc_per_node=N train.py"),
-    ]:
-        if not ok:
-            return message
-    return report.problem(args.report_to)  # the package, W&B's credentials: before any model loads
-
-
-def prompt_batch(examples, start, count, seed):
-    """Examples start, ..., start + count - 1 of an endless stream: the task reshuffled (seeded)
-    every epoch."""
-    n, positions = len(examples), range(start, start + count)
-    orders = {epoch: np.random.default_rng([seed, epoch]).permutation(n)
-              for epoch in {p // n for p in positions}}
-    return [examples[orders[p // n][p % n]] for p in positions]
-
-
-@torch.no_grad()
-def sampler_vs_trainer(sampler_logp, logp, mask, device):
-    """The sampler mu against the policy pi being trained, on mu's samples: sums over this rank of
-    log mu - log pi per token (mismatch_kl), of the sequences' KL(mu || pi) estimates (K1, K3), of
-    the ratio w = pi/mu and of the tokens with w outside [0.5, 2]; and the largest w, all ranks."""
-    ratio = (logp - sampler_logp).exp()
-    sums = {"mismatch_kl": (mask * (sampler_logp - logp)).sum().item(),
-            "behaviour_kl_k1": (mask * kl.estimate(sampler_logp, logp, "k1")).sum(1).sum().item(),
-            "behaviour_kl_k3": (mask * kl.estimate(sampler_logp, logp, "k3")).sum(1).sum().item(),
-            "ratio": (mask * ratio).sum().item(),
-            "ratio_outside": (mask * ((ratio < 0.5) | (ratio > 2))).sum().item()}
-    return sums, runtime.all_reduce_max((mask * ratio).max().item(), device)
-
-
-def importance_weights(log_w, device):
-    """Over all ranks' sequences: the largest log w, log mean w (by logsumexp: no overflow), and
-    the effective sample size of w as a fraction of n, (sum w)^2 / (n sum w^2) in (0, 1]."""
-    top = runtime.all_reduce_max(log_w.max().item(), device)
-    scaled = (log_w.double() - top).exp()  # in (0, 1]
-    sums = runtime.all_reduce_sums({"w": scaled.sum().item(), "w2": (scaled ** 2).sum().item(),
-                                    "n": len(log_w)}, device)
-    return {"log_w_max": top, "log_mean_w": top + math.log(sums["w"] / sums["n"]),
-            "is_ess": sums["w"] ** 2 / (sums["n"] * sums["w2"])}
-
-
-def evaluate_pass1(args, sampler, tokenizer, eval_sets, batch_size, rank, world_size):
-    """Pass@1 on each --eval-tasks set (eval.evaluate, one sample each), as metrics.jsonl keys."""
-    from eval import evaluate  # here: only runs with --eval-every need it
-
-    row = {}
-    for name, examples in eval_sets.items():
-        result, _ = evaluate(sampler, tokenizer, examples, samples=1,
-                             max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             top_p=args.top_p, batch_size=batch_size, seed=args.seed, rank=rank,
-                             world_size=world_size, generate_rows=args.generate_rows)
-        row.update({f"eval/{Path(name).stem}/{key}": result[key]
-                    for key in ("accuracy", "stderr", "pass@1", "n")})
-    return row
-
-
-def load(args, checkpoint_dir):
-    """(training examples, eval sets, tokenizer, fp32 policy, stop ids), or a one-line error."""
-    try:
-        examples = data.load_task(args.task, split="train", seed=args.seed)
-        eval_names = (args.eval_tasks or args.task).split(",") if args.eval_every else []
-        eval_sets = {name: data.load_task(name, split="test", limit=args.eval_limit)
-                     for name in eval_names}
-        tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
-        # a sharded (FSDP) step checkpoint has no full weights: checkpoint.load puts them in
-        weights = (checkpoint_dir if checkpoint_dir and checkpoint.has_weights(checkpoint_dir)
-                   else args.model)
-        policy = load_model(str(weights), torch.float32, args.trust_remote_code)
-        stop_ids = stop_token_ids(policy, tokenizer)  # EOS and the chat template's end of turn
-    except (OSError, ValueError, HubUnreachable) as caught:
-        return str(caught).splitlines()[0] if str(caught) else type(caught).__name__
-    return examples, eval_sets, tokenizer, policy, stop_ids
-
-
-@dataclass
-class Batch:
-    """One step's rollout, scored and log-probed: what each minibatch's update reads, a row per
-    completion (each prompt's G completions contiguous: an RLOO group)."""
-    prompts: list  # each row's prompt ids
-    tokens: torch.Tensor  # (B, T) response ids
-    mask: torch.Tensor  # (B, T) response_mask
-    policy_logp: torch.Tensor  # (B, T) log pi_theta at the step's start, --logprob-dtype, no grad
-    ref_logp: torch.Tensor  # (B, T) log pi_ref (policy_logp when there is no reference)
-    behaviour_logp: torch.Tensor  # (B, T) log mu, the policy that sampled (--behaviour)
-    advantages: torch.Tensor  # (B,) or (B, T)
-
-
-def update(args, policy, optimizer, batch, minibatch, first):
-    """One AdamW step on the rows `minibatch` of the step's batch: the PPO-clip (or truncated IS)
-    surrogate of eq. 4 plus the KL loss of eq. 9 where --place puts it, both normalized by the
-    minibatch's response tokens on all ranks. Accumulates over micro-batches (DDP reduces in the
-    last one's backward). Returns ([pg_loss, kl_loss, clip_frac] summed over ranks, grad norm,
-    whether the step was taken: a non-finite loss or gradient skips it)."""
-    device = batch.tokens.device
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    dtype = getattr(torch, args.dtype)
-    logprob_dtype = runtime.logprob_dtype(args.logprob_dtype, device)
-    mask = batch.mask
-    self_normalized = args.place == "weighted" and args.is_weight == "self-normalized"
-    # the minibatch's log-probs in --logprob-dtype under the current weights: policy_logp until the
-    # first update, then a no-grad pass of their own (only if the gradient pass runs in another
-    # dtype, or the self-normalized weight needs them)
-    exact_logp = batch.policy_logp[minibatch]
-    if not first and (dtype != logprob_dtype or self_normalized):
-        exact_logp = logprobs.no_grad_logprobs(
-            policy, [batch.prompts[r] for r in minibatch], batch.tokens[minibatch],
-            mask[minibatch], args.temperature, logprob_dtype, args.micro_batch)[0]
-    log_mean_w = 0.0  # --is-weight self-normalized: log mean_j w_j, all ranks
-    if self_normalized:
-        log_mean_w = importance_weights(kl.log_importance_weights(
-            exact_logp, batch.behaviour_logp[minibatch], mask[minibatch]), device)["log_mean_w"]
-    # --place weighted's w: capped at e^30 (exact), or at C (truncated)
-    max_log_w = math.log(args.is_cap) if args.is_weight == "truncated" else kl.MAX_LOG_W
-    # num_tokens: response tokens of the minibatch on all ranks, both losses' normalizer
-    num_tokens = mask[minibatch].sum()
-    if dist.is_initialized():
-        dist.all_reduce(num_tokens)
-    micro_batches = minibatch.split(
-        logprobs.micro_batch_sizes([batch.prompts[r] for r in minibatch], args.micro_batch))
-    sums = torch.zeros(3, dtype=torch.float64, device=device)
-    for i, rows in enumerate(micro_batches):
-        # DDP all-reduces gradients in the backward of the last micro-batch only
-        no_sync = isinstance(policy, DDP) and i < len(micro_batches) - 1
-        with policy.no_sync() if no_sync else contextlib.nullcontext():
-            logp, _ = logprobs.token_logprobs(policy, [batch.prompts[r] for r in rows],
-                                              batch.tokens[rows], mask[rows], args.temperature,
-                                              dtype)
-            if dtype != logprob_dtype:  # exact_logp's values, this pass's gradient
-                logp = logp + (exact_logp[rows - minibatch[0]] - logp).detach()
-            # the ratio's old policy: on-policy (one minibatch, no lag) sg[logp], so the ratio is
-            # exactly 1; else mu, the policy that sampled
-            on_policy = args.minibatches == 1 and not args.async_lag
-            old_logp = logp.detach() if on_policy else batch.behaviour_logp[rows]
-            if args.loss == "ppo":
-                pg_loss, clip_frac = advantage.policy_loss(
-                    logp, old_logp, batch.advantages[rows], mask[rows], num_tokens, args.clip_eps)
-            else:  # clip_frac: the truncated fraction
-                pg_loss, clip_frac = advantage.truncated_is_loss(
-                    logp, old_logp, batch.advantages[rows], mask[rows], num_tokens, args.is_cap)
-            if args.place == "weighted":  # unbiased off-policy: w sg[K1], w = pi/mu
-                kl_loss = kl.off_policy_kl_loss(logp, batch.behaviour_logp[rows],
-                                                batch.ref_logp[rows], mask[rows], args.beta,
-                                                num_tokens, max_log_w, log_mean_w)
-            else:
-                kl_loss = kl.kl_loss(logp, batch.ref_logp[rows], mask[rows], args.kl, args.place,
-                                     args.beta, num_tokens, args.kl_clamp)
-            # DDP and FSDP average gradients over ranks; num_tokens counts all ranks already
-            ((pg_loss + kl_loss) * world_size).backward()
-        sums += torch.stack([pg_loss.detach(), kl_loss.detach(), clip_frac]).double()
-    losses = list(runtime.all_reduce_sums(
-        dict(zip(("pg_loss", "kl_loss", "clip_frac"), sums.tolist())), device).values())
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-    grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
-    # a non-finite loss or gradient (K3-in-reward's r = pi_ref/pi can overflow): skip the update,
-    # show it in the log, do not crash
-    stepped = math.isfinite(grad_norm) and math.isfinite(sum(losses))
-    if stepped:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return losses, grad_norm, stepped
-
-
-def step_metrics(args, step, batch, sampled, scores, returns, entropy, updates, seconds):
-    """The step's metrics.jsonl row, over all ranks: reward, the KL to the reference (K1 and K3
-    per sequence, eq. 5, at the step's start), the updates' losses, how far the sampler mu was
-    from the policy pi trained on its samples, and the time spent (sampling, training)."""
-    (losses, grad_norms, skipped), (sample_s, train_s) = updates, seconds
-    device, mask, out = batch.tokens.device, batch.mask, sampled["out"]
-    with torch.no_grad():
-        k1 = (mask * kl.estimate(batch.policy_logp, batch.ref_logp, "k1")).sum(1)
-        k3 = (mask * kl.estimate(batch.policy_logp, batch.ref_logp, "k3")).sum(1)
-    behaviour, ratio_max = sampler_vs_trainer(out.token_logprobs, batch.policy_logp, mask, device)
-    # the sequence-level importance weights w = prod_t pi/mu at the step's start
-    weights = importance_weights(kl.log_importance_weights(batch.policy_logp,
-                                                           batch.behaviour_logp, mask), device)
-    total = runtime.all_reduce_sums({
-        "sequences": len(batch.prompts), "score": scores.sum().item(),
-        "correct": (scores >= 1).sum().item(), "return": returns.sum().item(),
-        "kl_k1": k1.sum().item(), "kl_k3": k3.sum().item(), "tokens": mask.sum().item(),
-        "entropy": entropy.sum().item(), **behaviour}, device)
-    n, num_resp = total["sequences"], total["tokens"]
-    use_reference = args.place != "none" and args.beta > 0
-    pg_loss, kl_loss, clip_frac = np.mean(losses, axis=0).tolist()
-    return {"step": step, "reward": total["score"] / n, "accuracy": total["correct"] / n,
-            "return": total["return"] / n,
-            "kl_k1": total["kl_k1"] / n if use_reference else None,
-            "kl_k3": total["kl_k3"] / n if use_reference else None,
-            "loss": pg_loss + kl_loss, "pg_loss": pg_loss, "kl_loss": kl_loss,
-            "entropy": total["entropy"] / num_resp, "response_len": num_resp / n,
-            "grad_norm": float(np.mean(grad_norms)), "clip_frac": clip_frac,
-            "mismatch_kl": total["mismatch_kl"] / num_resp,
-            "lag": step - 1 - sampled["weights_step"],
-            "behaviour_kl_k1": total["behaviour_kl_k1"] / n,
-            "behaviour_kl_k3": total["behaviour_kl_k3"] / n,
-            "ratio_mean": total["ratio"] / num_resp, "ratio_max": ratio_max,
-            "ratio_outside": total["ratio_outside"] / num_resp,
-            "log_w_max": weights["log_w_max"], "is_ess": weights["is_ess"],
-            "lr": args.lr, "sample_s": sample_s, "train_s": train_s,  # a constant rate
-            "tokens_per_s": num_resp / (sample_s + train_s), "skipped": skipped}
-
-
-def reference_model(args, device):
-    """pi_ref: the initial policy, frozen, in fp32 like the policy's no-grad pass; None when no KL
-    is used (--place none or --beta 0)."""
-    if args.place == "none" or args.beta == 0:
-        return None
-    reference = load_model(args.model, torch.float32, args.trust_remote_code)
-    reference.requires_grad_(False)
-    return runtime.shard(reference) if args.fsdp else reference.to(device)
 
 
 def main(argv=None):
@@ -458,12 +97,8 @@ def main(argv=None):
     runtime.stop_if_any_rank(loaded if isinstance(loaded, str) else None, "train.py")
     examples, eval_sets, tokenizer, policy, stop_ids = loaded
     sampler = runtime.make_sampler(policy, device, dtype, args.fsdp)  # rollout.generate, eval
-    if args.grad_checkpointing:  # recent transformers 5 call it activation_checkpointing_enable
-        enable = getattr(policy, "activation_checkpointing_enable",
-                         policy.gradient_checkpointing_enable)
-        enable({"use_reentrant": False})
-        policy.train()  # transformers checkpoints only in train mode: keep dropout off, as in eval
-        runtime.no_dropout(policy)
+    if args.grad_checkpointing:
+        checkpoint_activations(policy)
     policy = runtime.wrap(policy, device, args.fsdp)
     reference = reference_model(args, device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.01)
@@ -534,16 +169,22 @@ def main(argv=None):
         ref_logp = policy_logp if reference is None else logprobs.no_grad_logprobs(
             reference, prompts, tokens, mask, args.temperature, logprob_dtype, args.micro_batch)[0]
 
-        # ------------------------------------------------------------ shape (eq. 7), advantage
+        # ------------------------------------------------------------ shape (eq. 7)
+        # Table 1: K1-in-reward, K3-in-reward (--place reward; --place both adds the loss's
+        # term below): the return R - beta * sum_t sg[KL_t], the KL's gradient a score function
+        # through the advantage (eq. 8)
         returns = kl.shape_rewards(scores, policy_logp, ref_logp, mask, args.kl, args.place,
                                    args.beta, args.kl_clamp)
+
+        # ------------------------------------------------------------ advantage
         # mu, the policy that sampled: the sampler's own log-probs, or (--behaviour trainer, lag 0)
         # the fp32 pass at the same weights
         behaviour_logp = out.token_logprobs if args.behaviour == "sampler" else policy_logp
+        # RLOO (sec. 4.1): A_i = return_i - mean of the other G - 1 returns of the same prompt
         batch = Batch(prompts, tokens, mask, policy_logp, ref_logp, behaviour_logp,
                       ADVANTAGES[args.advantage](returns, G))
 
-        # ------------------------------------------------------------ loss and step
+        # ------------------------------------------------------------ loss and step (update)
         losses, grad_norms, skipped = [], [], 0  # losses: sums over all ranks, a row per minibatch
         minibatches = torch.arange(len(prompts)).tensor_split(args.minibatches)
         for index, minibatch in enumerate(minibatches):
@@ -559,7 +200,6 @@ def main(argv=None):
         # ------------------------------------------------------------ log
         row = step_metrics(args, step, batch, sampled, scores, returns, entropy,
                            (losses, grad_norms, skipped), (sample_s, train_s))
-
         if args.eval_every and step % args.eval_every == 0:
             row.update(evaluate_pass1(args, sampler, tokenizer, eval_sets, len(prompts), rank,
                                       world_size))
@@ -584,6 +224,214 @@ def main(argv=None):
          generator, queue, rank, name="final")
     print0(f"saved {args.out / 'final'}")
     runtime.finish()
+
+
+@dataclass
+class Batch:
+    """One step's rollout, scored and log-probed: what each minibatch's update reads, a row per
+    completion (each prompt's G completions contiguous: an RLOO group)."""
+    prompts: list  # each row's prompt ids
+    tokens: torch.Tensor  # (B, T) response ids
+    mask: torch.Tensor  # (B, T) response_mask
+    policy_logp: torch.Tensor  # (B, T) log pi_theta at the step's start, --logprob-dtype, no grad
+    ref_logp: torch.Tensor  # (B, T) log pi_ref (policy_logp when there is no reference)
+    behaviour_logp: torch.Tensor  # (B, T) log mu, the policy that sampled (--behaviour)
+    advantages: torch.Tensor  # (B,) or (B, T)
+
+
+def update(args, policy, optimizer, batch, minibatch, first):
+    """One AdamW step on the rows `minibatch` of the step's batch: the PPO-clip (or truncated IS)
+    surrogate of eq. 4 plus the KL loss of eq. 9 where --place puts it, both normalized by the
+    minibatch's response tokens on all ranks. Accumulates over micro-batches. Returns ([pg_loss,
+    kl_loss, clip_frac] summed over ranks, grad norm, whether the step was taken: a non-finite loss
+    or gradient skips it)."""
+    mask, advantages = batch.mask, batch.advantages
+    exact_logp = minibatch_logprobs(args, policy, batch, minibatch, first)
+    num_tokens = tokens_on_all_ranks(mask[minibatch])  # both losses' normalizer (sec. 4.1)
+    weight_cap, weight_normalizer = is_weight_bounds(args, batch, minibatch, exact_logp)
+    sums = torch.zeros(3, dtype=torch.float64, device=batch.tokens.device)
+    for rows, gradient_sync in micro_batches(args, policy, batch, minibatch):
+        with gradient_sync:
+            # log-probs: log pi(y_t | x, y<t) with a gradient, valued at exact_logp
+            logp = gradient_logprobs(args, policy, batch, rows, exact_logp[rows - minibatch[0]])
+            # the ratio's old policy: on-policy (one minibatch, no lag) sg[logp], so the ratio is
+            # exactly 1; else mu, the policy that sampled
+            on_policy = args.minibatches == 1 and not args.async_lag
+            old_logp = logp.detach() if on_policy else batch.behaviour_logp[rows]
+
+            # policy loss, eq. 4: -min(w_t A, clip(w_t, 1 - eps, 1 + eps) A), w_t = pi / pi_old
+            if args.loss == "ppo":
+                pg_loss, clip_frac = advantage.policy_loss(
+                    logp, old_logp, advantages[rows], mask[rows], num_tokens, args.clip_eps)
+            else:  # prime-rl's -min(w_t, C) A; clip_frac: the truncated fraction
+                pg_loss, clip_frac = advantage.truncated_is_loss(
+                    logp, old_logp, advantages[rows], mask[rows], num_tokens, args.is_cap)
+
+            # KL loss
+            if args.place == "weighted":  # unbiased off-policy: w sg[K1], w = prod_t pi/mu
+                kl_loss = kl.off_policy_kl_loss(logp, batch.behaviour_logp[rows],
+                                                batch.ref_logp[rows], mask[rows], args.beta,
+                                                num_tokens, weight_cap, weight_normalizer)
+            else:
+                # Table 1: K1-in-loss, K3-in-loss (--place loss; --place both adds the reward's
+                # term): beta * sum_t KL_t / num_tokens, its gradient path-wise (eq. 9); else 0
+                kl_loss = kl.kl_loss(logp, batch.ref_logp[rows], mask[rows], args.kl, args.place,
+                                     args.beta, num_tokens, args.kl_clamp)
+
+            backward_over_ranks(pg_loss + kl_loss)
+        sums += torch.stack([pg_loss.detach(), kl_loss.detach(), clip_frac]).double()
+    return optimizer_step(args, policy, optimizer, sums)
+
+
+# ---------------------------------------------------------------- update's bookkeeping
+def minibatch_logprobs(args, policy, batch, minibatch, first):
+    """The minibatch's log-probs in --logprob-dtype under the current weights: policy_logp until the
+    first update, then a no-grad pass of their own (only if the gradient pass runs in another
+    dtype, or the self-normalized weight needs them)."""
+    dtype, logprob_dtype = compute_dtypes(args, batch)
+    self_normalized = args.place == "weighted" and args.is_weight == "self-normalized"
+    if first or (dtype == logprob_dtype and not self_normalized):
+        return batch.policy_logp[minibatch]
+    return logprobs.no_grad_logprobs(
+        policy, [batch.prompts[r] for r in minibatch], batch.tokens[minibatch],
+        batch.mask[minibatch], args.temperature, logprob_dtype, args.micro_batch)[0]
+
+
+def gradient_logprobs(args, policy, batch, rows, exact_logp):
+    """log pi(y_t | x, y<t) of the rows with a gradient, computed in --dtype (bf16 autocast where
+    the device has it) and valued at exact_logp, the --logprob-dtype pass: logp + sg[exact - logp],
+    so the losses' values are exact and only the gradient's direction carries --dtype's rounding."""
+    dtype, logprob_dtype = compute_dtypes(args, batch)
+    logp, _ = logprobs.token_logprobs(policy, [batch.prompts[r] for r in rows], batch.tokens[rows],
+                                      batch.mask[rows], args.temperature, dtype)
+    if dtype != logprob_dtype:  # exact_logp's values, this pass's gradient
+        logp = logp + (exact_logp - logp).detach()
+    return logp
+
+
+def compute_dtypes(args, batch):
+    """(--dtype, --logprob-dtype) as main resolved them: the gradient pass's, the no-grad ones'."""
+    return (getattr(torch, args.dtype),
+            runtime.logprob_dtype(args.logprob_dtype, batch.tokens.device))
+
+
+def is_weight_bounds(args, batch, minibatch, exact_logp):
+    """--place weighted's w = prod_t pi/mu: (log of its cap, log of its normalizer). Capped at e^30
+    (exact) or at C (truncated); --is-weight self-normalized divides it by mean_j w_j over the
+    minibatch on all ranks (else log 1 = 0)."""
+    max_log_w = math.log(args.is_cap) if args.is_weight == "truncated" else kl.MAX_LOG_W
+    if args.place != "weighted" or args.is_weight != "self-normalized":
+        return max_log_w, 0.0
+    log_w = kl.log_importance_weights(exact_logp, batch.behaviour_logp[minibatch],
+                                      batch.mask[minibatch])
+    return max_log_w, importance_weights(log_w, batch.tokens.device)["log_mean_w"]
+
+
+def tokens_on_all_ranks(mask):
+    """num_tokens: the response tokens of `mask` summed over all ranks."""
+    num_tokens = mask.sum()
+    if dist.is_initialized():
+        dist.all_reduce(num_tokens)
+    return num_tokens
+
+
+def micro_batches(args, policy, batch, minibatch):
+    """The minibatch's micro-batches of rows (--micro-batch sequences, each RLOO group whole), each
+    with the context its backward runs in: DDP all-reduces gradients in the backward of the last
+    micro-batch only (no_sync in the others)."""
+    parts = minibatch.split(
+        logprobs.micro_batch_sizes([batch.prompts[r] for r in minibatch], args.micro_batch))
+    for i, rows in enumerate(parts):
+        no_sync = isinstance(policy, DDP) and i < len(parts) - 1
+        yield rows, policy.no_sync() if no_sync else contextlib.nullcontext()
+
+
+def backward_over_ranks(loss):
+    """loss.backward(), scaled by the number of ranks: DDP and FSDP average gradients over the
+    ranks, and num_tokens counts all ranks' tokens already, so the step's gradient is the sum over
+    every rank's tokens / num_tokens, whatever the number of ranks."""
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    (loss * world_size).backward()
+
+
+def optimizer_step(args, policy, optimizer, sums):
+    """Clip the gradient's norm to --max-grad-norm and take the AdamW step, unless the loss or the
+    gradient is not finite. Returns (the sums of [pg_loss, kl_loss, clip_frac] over all ranks,
+    the grad norm before clipping, whether the step was taken)."""
+    losses = list(runtime.all_reduce_sums(
+        dict(zip(("pg_loss", "kl_loss", "clip_frac"), sums.tolist())), sums.device).values())
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
+    grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
+    # a non-finite loss or gradient (K3-in-reward's r = pi_ref/pi can overflow): skip the update,
+    # show it in the log, do not crash
+    stepped = math.isfinite(grad_norm) and math.isfinite(sum(losses))
+    if stepped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return losses, grad_norm, stepped
+
+
+# ---------------------------------------------------------------- set-up and saving
+def load(args, checkpoint_dir):
+    """(training examples, eval sets, tokenizer, fp32 policy, stop ids), or a one-line error."""
+    try:
+        examples = data.load_task(args.task, split="train", seed=args.seed)
+        eval_names = (args.eval_tasks or args.task).split(",") if args.eval_every else []
+        eval_sets = {name: data.load_task(name, split="test", limit=args.eval_limit)
+                     for name in eval_names}
+        tokenizer = load_tokenizer(args.model, trust_remote_code=args.trust_remote_code)
+        # a sharded (FSDP) step checkpoint has no full weights: checkpoint.load puts them in
+        weights = (checkpoint_dir if checkpoint_dir and checkpoint.has_weights(checkpoint_dir)
+                   else args.model)
+        policy = load_model(str(weights), torch.float32, args.trust_remote_code)
+        stop_ids = stop_token_ids(policy, tokenizer)  # EOS and the chat template's end of turn
+    except (OSError, ValueError, HubUnreachable) as caught:
+        return str(caught).splitlines()[0] if str(caught) else type(caught).__name__
+    return examples, eval_sets, tokenizer, policy, stop_ids
+
+
+def checkpoint_activations(policy):
+    """--grad-checkpointing: recompute each decoder layer's activations in the backward pass."""
+    # recent transformers 5 call it activation_checkpointing_enable
+    enable = getattr(policy, "activation_checkpointing_enable",
+                     policy.gradient_checkpointing_enable)
+    enable({"use_reentrant": False})
+    policy.train()  # transformers checkpoints only in train mode: keep dropout off, as in eval
+    runtime.no_dropout(policy)
+
+
+def reference_model(args, device):
+    """pi_ref: the initial policy, frozen, in fp32 like the policy's no-grad pass; None when no KL
+    is used (--place none or --beta 0)."""
+    if args.place == "none" or args.beta == 0:
+        return None
+    reference = load_model(args.model, torch.float32, args.trust_remote_code)
+    reference.requires_grad_(False)
+    return runtime.shard(reference) if args.fsdp else reference.to(device)
+
+
+def prompt_batch(examples, start, count, seed):
+    """Examples start, ..., start + count - 1 of an endless stream: the task reshuffled (seeded)
+    every epoch."""
+    n, positions = len(examples), range(start, start + count)
+    orders = {epoch: np.random.default_rng([seed, epoch]).permutation(n)
+              for epoch in {p // n for p in positions}}
+    return [examples[orders[p // n][p % n]] for p in positions]
+
+
+def evaluate_pass1(args, sampler, tokenizer, eval_sets, batch_size, rank, world_size):
+    """Pass@1 on each --eval-tasks set (eval.evaluate, one sample each), as metrics.jsonl keys."""
+    from eval import evaluate  # here: only runs with --eval-every need it
+
+    row = {}
+    for name, examples in eval_sets.items():
+        result, _ = evaluate(sampler, tokenizer, examples, samples=1,
+                             max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             top_p=args.top_p, batch_size=batch_size, seed=args.seed, rank=rank,
+                             world_size=world_size, generate_rows=args.generate_rows)
+        row.update({f"eval/{Path(name).stem}/{key}": result[key]
+                    for key in ("accuracy", "stderr", "pass@1", "n")})
+    return row
 
 
 def save(args, step, position, world_size, policy, tokenizer, optimizer, generator, queue, rank,

@@ -15,7 +15,7 @@ not a curve; a None (`kl_k1` without a reference) or a non-numeric value is skip
   $WANDB_PROJECT or comedy-of-estimators. W&B cannot purge: the steps a killed run logged after its
   checkpoint are logged twice (the resume recomputes them bit for bit; only the timings differ).
 
-Neither package is required: `problem` (train.check_flags) names the install command, or the
+Neither package is required: `problem` (flags.check_flags) names the install command, or the
 offline mode when W&B has no credentials, before any model loads; `open` turns a wandb.init that
 fails (no network) into the same one-line error, on every rank, before the first step.
 """

@@ -128,8 +128,9 @@ group.add_argument("--logprob-dtype", default="auto",
                    choices=("auto", "float32", "bf16x6", "bfloat16"),
                    help="dtype of the log-probs that feed the KL, the ratio and the loss values: "
                         "float32 = exact, bf16x6 = fp32 from six bf16 tensor-core products "
-                        "(systems/split_matmul.py), bfloat16 = the fast, noisy way; auto = float32 on a "
-                        "CPU, on CUDA the pick of docs/precision.md's registered rule (bf16x6)")
+                        "(systems/split_matmul.py), bfloat16 = the fast, noisy way; auto = bf16x6 on the "
+                        "cards where it pays (A100, H100, H200, B200: runtime.BF16X6_PAYS_ON), "
+                        "float32 on every other card and on a CPU (docs/precision.md)")
 group.add_argument("--micro-batch", type=int, default=8,
                    help="sequences per forward/backward (the gradient does not depend on it; 8 "
                         "keeps the default run under 4 GiB whatever the responses' lengths)")

@@ -25,12 +25,15 @@ Runs never mix: a new run needs an empty --out; --resume takes the newest comple
 (saying which incomplete ones it passed over) and refuses one written with other run-defining flags
 (naming them), by another number of ranks, or in another compute dtype.
 """
+import atexit
 import collections
 import dataclasses
+import fcntl
 import json
 import os
 import random
 import shutil
+import socket
 
 import numpy as np
 import torch
@@ -49,6 +52,8 @@ RESUMABLE_CHANGES = {"out", "resume", "steps", "save_every", "eval_every", "eval
                      "eval_limit", "micro_batch", "grad_checkpointing", "fsdp", "max_bad_steps",
                      "report_to", "generate_rows", "keep_last", "compile_sampler"}
 SHARDED = "sharded"  # the DCP folder of an FSDP checkpoint
+LOCK = ".lock"  # OUT/.lock: held by the run writing OUT (its rank 0), naming its host and pid
+_lock = None  # the descriptor of the lock this process holds, if any
 
 
 def run_flags(args):
@@ -130,10 +135,14 @@ def recover(out):
 
 def open_run(args, rank, world_size):
     """(checkpoint to resume or None, its trainer_state or {}), after the checks that keep runs
-    apart. Every rank calls this: rank 0 looks at --out, and recovers it, before anyone reads it."""
-    stop_if_any_rank(f"{args.out} is not empty: pass --resume to continue that run, or another "
-                     f"--out" if rank == 0 and not args.resume and args.out.is_dir()
-                     and any(args.out.iterdir()) else None)
+    apart. Every rank calls this: rank 0 locks --out (`lock`), looks at it, and recovers it, before
+    anyone reads it."""
+    problem = None
+    if rank == 0:
+        problem = lock(args.out) or (
+            f"{args.out} is not empty: pass --resume to continue that run, or another --out"
+            if not args.resume and any(p.name != LOCK for p in args.out.iterdir()) else None)
+    stop_if_any_rank(problem)
     if args.resume and rank == 0 and args.out.is_dir():
         recover(args.out)
     barrier()
@@ -150,6 +159,7 @@ def open_run(args, rank, world_size):
         print(f"passing over incomplete checkpoints ({', '.join(map(str, broken))} missing): "
               f"resuming {checkpoint}")
     if checkpoint is None:
+        stop_if_any_rank(cannot_start_over(args) if rank == 0 and args.resume else None)
         return None, {}
     trainer_state = json.loads((checkpoint / "trainer_state.json").read_text())
     changed = flag_changes(trainer_state["flags"], args) if "flags" in trainer_state else []
@@ -160,6 +170,73 @@ def open_run(args, rank, world_size):
         fail(f"{checkpoint} was written by {trainer_state['world_size']} ranks; "
              f"resume with as many")
     return checkpoint, trainer_state
+
+
+def lock(out):
+    """Take OUT/.lock for this process, or say in one line who holds it. One run per folder: the
+    lock is an flock(2) on OUT/.lock, which the kernel releases when its process ends however it
+    ends (SIGKILL, a crash), so a lock whose process is gone is free and is taken over (and said
+    so: the file still names it). It holds where flock does: on local filesystems, and on NFS
+    (Linux emulates flock with a POSIX lock that the server arbitrates between hosts; per host only
+    under the mount options nolock or local_lock). Where the filesystem has no locks at all, a
+    warning, and no lock."""
+    global _lock
+    unlock()
+    out.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(descriptor, 4096).decode(errors="replace").strip() or "starting"
+        os.close(descriptor)
+        return (f"{out} is in use by another run ({holder}); wait for it to end, stop it, or "
+                f"pass another --out")
+    except OSError as error:  # ENOLCK, EOPNOTSUPP: a filesystem without locks
+        os.close(descriptor)
+        print(f"warning: cannot lock {out} ({error.strerror}): nothing stops a second run "
+              f"writing it")
+        return None
+    previous = os.read(descriptor, 4096).decode(errors="replace").strip()
+    if previous:
+        print(f"took over the lock of {out} from a run that is gone ({previous})")
+    os.ftruncate(descriptor, 0)
+    os.pwrite(descriptor, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode(), 0)
+    os.fsync(descriptor)
+    _lock = descriptor
+    return None
+
+
+def unlock():
+    """Release this process's lock (at exit, or before it takes another): the file is emptied, so
+    the next run takes it without a word."""
+    global _lock
+    if _lock is not None:
+        os.ftruncate(_lock, 0)
+        os.close(_lock)
+        _lock = None
+
+
+atexit.register(unlock)
+
+
+def cannot_start_over(args):
+    """Why --resume, finding no complete checkpoint in --out, must not start the run over there
+    (one line), or None. Starting over would truncate a run's metrics.jsonl and replace its
+    config.json (and log into its W&B run): it is refused once a step is logged, or where
+    config.json names other run-defining flags. A run killed before its first step starts over."""
+    metrics = args.out / "metrics.jsonl"
+    logged = metrics.read_bytes().count(b"\n") if metrics.is_file() else 0
+    if logged:
+        return (f"{args.out} holds {logged} steps in metrics.jsonl but no complete checkpoint to "
+                f"resume (a run saves only final/ unless --save-every): nothing to continue from; "
+                f"move the folder away to start over, or pass another --out")
+    config = args.out / "config.json"
+    saved = json.loads(config.read_text()) if config.is_file() else {}
+    changed = flag_changes({k: v for k, v in saved.items() if k not in RESUMABLE_CHANGES}, args)
+    if saved and changed:
+        return (f"{config} is another run's ({'; '.join(changed)}), and {args.out} holds no "
+                f"checkpoint to resume: pass those flags or another --out")
+    return None
 
 
 def rng_state(generator):
@@ -267,13 +344,73 @@ def rotate(out, keep_last):
 
 
 def start_log(args, start_step, resumed):
-    """Write OUT/config.json and keep OUT/metrics.jsonl's steps up to the checkpoint (rank 0 only):
-    a resumed run forgets the steps logged after its checkpoint, which it does again."""
+    """OUT/config.json and OUT/metrics.jsonl (rank 0 only), neither ever destroyed: metrics.jsonl is
+    only appended to, but a resume from step N drops the rows a killed run logged after N (it logs
+    them again) by writing the rows it keeps to a new file renamed over the old one, so a kill
+    keeps one or the other whole; a torn last line (a kill mid-write) goes too. config.json is
+    written once; a resume that changes a flag (--steps, ...) keeps the previous file beside it as
+    config-until-stepN.json and says so."""
     args.out.mkdir(parents=True, exist_ok=True)
-    config = {k: str(v) if isinstance(v, os.PathLike) else v for k, v in vars(args).items()}
-    (args.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_config(args, start_step)
     metrics = args.out / "metrics.jsonl"
-    rows = metrics.read_text().splitlines() if metrics.exists() and resumed else []
-    metrics.write_text("".join(r + "\n" for r in rows
-                               if json.loads(r).get("step", 0) <= start_step))
+    lines = metrics.read_bytes().splitlines(keepends=True) if metrics.exists() else []
+    keep = [line for line in lines
+            if line.endswith(b"\n") and json.loads(line).get("step", 0) <= start_step]
+    if keep != lines or not metrics.exists():
+        write_durably(metrics, b"".join(keep))
     return metrics
+
+
+def log_row(metrics, row):
+    """Append one row to metrics.jsonl, on disk before the next step (a crash keeps it)."""
+    with open(metrics, "a") as file:
+        file.write(json.dumps(row) + "\n")
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def run_config(args):
+    """The flags as config.json holds them (paths as strings)."""
+    return {k: str(v) if isinstance(v, os.PathLike) else v for k, v in vars(args).items()}
+
+
+def write_config(args, start_step):
+    """OUT/config.json: the flags. Never replaced silently: the same flags (but --resume) leave it
+    as it is; others keep the old one as config-until-stepN.json, named in a line."""
+    path, config = args.out / "config.json", run_config(args)
+    if path.exists():
+        old = json.loads(path.read_text())
+        changed = [f"--{k.replace('_', '-')}: {old.get(k)} -> {config.get(k)}"
+                   for k in sorted(old.keys() | config.keys())
+                   if k not in ("resume", "out") and old.get(k) != config.get(k)]
+        if not changed:
+            return
+        kept = args.out / f"config-until-step{start_step}.json"
+        number = 1
+        while kept.exists():
+            number += 1
+            kept = args.out / f"config-until-step{start_step}-{number}.json"
+        write_durably(kept, path.read_bytes())
+        print(f"config.json: {'; '.join(changed)} (the previous flags kept in {kept})")
+    write_durably(path, (json.dumps(config, indent=2) + "\n").encode())
+
+
+def write_durably(path, content):
+    """Write `path` whole or not at all, on disk when this returns: a new file, fsynced, renamed
+    over it, the folder fsynced."""
+    tmp = path.parent / f".tmp-{path.name}"
+    with open(tmp, "wb") as file:
+        file.write(content)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tmp, path)
+    sync_directory(path.parent)
+
+
+def sync_directory(directory):
+    """fsync a folder: its entries (files created, renamed or removed) survive a crash."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

@@ -4,6 +4,10 @@ real torchrun runs at the worst of these points)."""
 import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -110,3 +114,142 @@ def test_recover_finishes_a_complete_temporary(tmp_path, name):
     checkpoint.recover(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
     assert checkpoint.step_of(tmp_path / name) == 2
+
+
+# ---------------------------------------------------------------- a run's log is never destroyed
+def run_args(out, **flags):
+    """train.py's parsed flags, as open_run and start_log read them (a few run-defining ones)."""
+    return Namespace(**{"out": out, "resume": False, "kl": "k1", "place": "reward", "beta": 0.05,
+                        "steps": 4, "save_every": 0, **flags})
+
+
+def logged_run(out, steps, **flags):
+    """OUT as a run leaves it when killed before any checkpoint: config.json, `steps` rows."""
+    args = run_args(out, **flags)
+    checkpoint.start_log(args, 0, resumed=False)
+    for step in range(1, steps + 1):
+        checkpoint.log_row(out / "metrics.jsonl", {"step": step, "reward": step / 10})
+    return args
+
+
+def test_resume_without_a_checkpoint_never_starts_over_a_logged_run(tmp_path):
+    """A run killed before final/ (--save-every 0), then --resume with other flags: it stops in one
+    line, and config.json and metrics.jsonl are as they were."""
+    logged_run(tmp_path, 3)
+    files = lambda: {p.name: p.read_bytes() for p in tmp_path.iterdir()  # noqa: E731
+                     if p.name != checkpoint.LOCK}
+    before = files()
+    args = run_args(tmp_path, resume=True, kl="k3", place="loss", beta=0.7)
+    with pytest.raises(SystemExit, match="3 steps in metrics.jsonl but no complete checkpoint"):
+        checkpoint.open_run(args, 0, 1)
+    checkpoint.unlock()
+    assert files() == before
+
+
+def test_resume_without_a_checkpoint_or_a_row_refuses_another_runs_flags(tmp_path):
+    """Killed before its first step: nothing is logged, so --resume starts over, with the same
+    run-defining flags only (config.json's)."""
+    logged_run(tmp_path, 0)
+    with pytest.raises(SystemExit, match=r"--beta: 0.05 -> 0.7"):
+        checkpoint.open_run(run_args(tmp_path, resume=True, beta=0.7), 0, 1)
+    assert checkpoint.open_run(run_args(tmp_path, resume=True, steps=8), 0, 1) == (None, {})
+    checkpoint.unlock()
+
+
+def test_a_resume_drops_rows_past_its_checkpoint_by_a_new_file(tmp_path, monkeypatch):
+    """metrics.jsonl is only appended to; a resume from step 2 writes the rows up to 2 to a new
+    file and renames it over the old (a kill before the rename keeps all of them); a torn last
+    line (a kill mid-write) goes too. With nothing to drop, the file is appended to as it is."""
+    logged_run(tmp_path, 4)
+    metrics = tmp_path / "metrics.jsonl"
+    with open(metrics, "a") as file:
+        file.write('{"step": 5, "rew')  # killed while writing step 5
+    before = metrics.read_bytes()
+
+    def killed(*args):
+        raise Killed
+
+    monkeypatch.setattr(checkpoint.os, "replace", killed)
+    with pytest.raises(Killed):
+        checkpoint.start_log(run_args(tmp_path, resume=True), 2, resumed=True)
+    monkeypatch.undo()
+    assert metrics.read_bytes() == before
+    checkpoint.start_log(run_args(tmp_path, resume=True), 2, resumed=True)
+    assert [json.loads(row)["step"] for row in metrics.read_text().splitlines()] == [1, 2]
+    assert before.startswith(metrics.read_bytes())
+    inode = metrics.stat().st_ino
+    checkpoint.start_log(run_args(tmp_path, resume=True), 2, resumed=True)
+    checkpoint.log_row(metrics, {"step": 3})
+    assert metrics.stat().st_ino == inode and metrics.read_bytes() == before[:len(
+        metrics.read_bytes()) - len(b'{"step": 3}\n')] + b'{"step": 3}\n'
+
+
+def test_config_json_is_never_replaced_silently(tmp_path, capsys):
+    """A resume with the same flags leaves config.json as it is; one that changes a flag a resume
+    may change (--steps) keeps the old file beside it and says so."""
+    logged_run(tmp_path, 2)
+    first = (tmp_path / "config.json").read_text()
+    checkpoint.start_log(run_args(tmp_path, resume=True), 2, resumed=True)
+    assert (tmp_path / "config.json").read_text() == first
+    checkpoint.start_log(run_args(tmp_path, resume=True, steps=8), 2, resumed=True)
+    kept = tmp_path / "config-until-step2.json"
+    assert kept.read_text() == first
+    assert json.loads((tmp_path / "config.json").read_text())["steps"] == 8
+    assert "--steps: 4 -> 8" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- one run per folder
+def hold_lock(out):
+    """Another process that takes OUT's lock and holds it until killed."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from systems import checkpoint; print(checkpoint.lock(Path(sys.argv[1])), flush=True); "
+         "time.sleep(300)", str(out)],
+        cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "None"  # it holds the lock
+    return holder
+
+
+def test_a_second_process_on_the_same_out_meets_the_lock(tmp_path, capsys):
+    """While a run holds OUT, another stops at once naming its host and pid (a new run and a
+    --resume alike); once that process is killed, its lock is taken over, and said so."""
+    logged_run(tmp_path, 0)
+    holder = hold_lock(tmp_path)
+    try:
+        for resume in (False, True):
+            with pytest.raises(SystemExit) as error:
+                checkpoint.open_run(run_args(tmp_path, resume=resume), 0, 1)
+            message = str(error.value)
+            assert f"in use by another run (host {socket.gethostname()}, pid {holder.pid}" in \
+                message and "\n" not in message
+    finally:
+        holder.kill()
+        holder.wait()
+    assert checkpoint.open_run(run_args(tmp_path, resume=True), 0, 1) == (None, {})
+    assert f"pid {holder.pid}" in capsys.readouterr().out
+    checkpoint.unlock()  # as at exit: the next run takes it without a word
+    checkpoint.open_run(run_args(tmp_path, resume=True), 0, 1)
+    assert "took over" not in capsys.readouterr().out
+    checkpoint.unlock()
+
+
+def test_a_new_run_may_use_a_folder_holding_only_a_released_lock(tmp_path):
+    checkpoint.lock(tmp_path)
+    checkpoint.unlock()
+    assert checkpoint.open_run(run_args(tmp_path), 0, 1) == (None, {})
+    checkpoint.unlock()
+
+
+def test_under_torchrun_every_rank_learns_that_out_is_locked(tmp_path, letter_model):
+    """torchrun x2 (gloo) on an --out another process holds: rank 0 meets the lock, both ranks
+    stop with its line, before any model loads."""
+    from test_train import flags, run_module
+
+    holder = hold_lock(tmp_path / "out")
+    try:
+        result = run_module(flags(letter_model(tmp_path), tmp_path / "out", "--resume"), procs=2)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode != 0
+    assert result.stderr.count(f"pid {holder.pid}); wait for it to end") == 2, result.stderr[-3000:]

@@ -11,19 +11,25 @@ also gets the gathered weights, as bf16 safetensors for eval.py and vLLM (config
 --resume reads the fp32 shards). --keep-last N keeps the N
 newest step_N checkpoints (final/ is never removed).
 
-A kill at any moment leaves the last complete checkpoint usable:
-  1. every rank writes its files into OUT/.tmp-NAME; a barrier;
-  2. rank 0 writes trainer_state.json last: a checkpoint is complete once it is there with every
-     rank's files (`missing`);
+A kill at any moment, or a power loss, leaves the last complete checkpoint usable:
+  1. every rank writes its files into OUT/.tmp-NAME and fsyncs them (DCP syncs its shards and
+     .metadata); a barrier;
+  2. rank 0 fsyncs every file of it and its folders, then writes trainer_state.json (synced, by a
+     rename): a checkpoint is complete once it is there with every rank's files, each DCP shard as
+     long as .metadata says (`missing`);
   3. an older OUT/NAME (final/ at a resume's end) is renamed OUT/.old-NAME, .tmp-NAME renamed
-     OUT/NAME, then .old-NAME removed.
+     OUT/NAME, OUT fsynced, and only then is .old-NAME removed (and `rotate` the older step_N).
+A removal first renames the folder .del-NAME, so one that a kill cut short is known to be partial.
 At every moment a complete checkpoint with the newest step is on disk under one of the three names;
 `latest` looks at all of them, and `recover` (at --resume, before anything reads --out) finishes a
-replacement that a kill interrupted.
+replacement that a kill interrupted and removes the .del-NAME folders.
 
-Runs never mix: a new run needs an empty --out; --resume takes the newest complete checkpoint
-(saying which incomplete ones it passed over) and refuses one written with other run-defining flags
-(naming them), by another number of ranks, or in another compute dtype.
+Runs never mix: rank 0 holds OUT/.lock while it runs (`lock`: a second process on OUT stops at once,
+naming the holder's host and pid); a new run needs an empty --out; --resume takes the newest
+complete checkpoint (saying which incomplete ones it passed over) and refuses one written with
+other run-defining flags (naming them), by another number of ranks, or in another compute dtype;
+with no complete checkpoint it starts over only where no step was logged (`cannot_start_over`).
+A run's log is never destroyed (`start_log`).
 """
 import atexit
 import collections
@@ -78,12 +84,30 @@ def missing(directory):
         return "trainer_state.json"
     needed = ["config.json", *(f"{kind}_rank{rank}.pt" for rank in range(world_size)
                                for kind in ("rng", "queue"))]
-    # DCP writes .metadata last, once every rank's shard is written
-    needed.append(f"{SHARDED}/.metadata" if state.get("sharded") else "optimizer.pt")
+    if not state.get("sharded"):
+        needed.append("optimizer.pt")
     final = directory.name.endswith("final")  # final, or .tmp-final / .old-final
     if not has_weights(directory) and (final or not state.get("sharded")):
         return "model.safetensors"
-    return next((name for name in needed if not (directory / name).is_file()), None)
+    absent = next((name for name in needed if not (directory / name).is_file()), None)
+    return absent or (missing_shard(directory / SHARDED) if state.get("sharded") else None)
+
+
+def missing_shard(sharded):
+    """The first file of the DCP checkpoint `sharded` that its .metadata names and that is absent
+    or shorter than the bytes .metadata places in it (every rank's shard), or None."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(sharded).read_metadata()
+    except Exception:  # absent, or cut short
+        return f"{SHARDED}/.metadata"
+    ends = collections.Counter()
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends[info.relative_path], info.offset + info.length)
+    return next((f"{SHARDED}/{name}" for name, end in sorted(ends.items())
+                 if not (sharded / name).is_file() or (sharded / name).stat().st_size < end),
+                None)
 
 
 def has_weights(directory):
@@ -98,31 +122,43 @@ def step_of(directory):
 def latest(out):
     """The complete checkpoint with the most steps: OUT/NAME, or the .tmp-NAME / .old-NAME of a
     replacement a kill interrupted (OUT/NAME first at the same step); None if there is none."""
-    done = [d for d in out.glob("*") if d.is_dir() and missing(d) is None]
+    done = [d for d in out.glob("*") if d.is_dir() and not d.name.startswith(".del-")
+            and missing(d) is None]
     return max(done, key=lambda d: (step_of(d), not d.name.startswith(".")), default=None)
 
 
 def retire(directory):
-    """Remove a checkpoint directory, trainer_state.json first: never half a complete one."""
-    (directory / "trainer_state.json").unlink(missing_ok=True)
-    shutil.rmtree(directory, ignore_errors=True)
+    """Remove a checkpoint directory: first renamed .del-NAME (one atomic step), so a kill in the
+    middle of the removal leaves a folder that is known to be partial (`recover` removes it)."""
+    if not directory.exists():
+        return
+    doomed = directory.parent / f".del-{directory.name}"
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(directory, doomed)
+    shutil.rmtree(doomed)
 
 
 def replace(path, tmp):
-    """Put the complete checkpoint `tmp` at `path` (steps 3 of the module docstring)."""
+    """Put the complete checkpoint `tmp` at `path` (steps 3 of the module docstring); the new name
+    is on disk (the parent folder fsynced) before the old checkpoint is removed."""
     old = path.parent / f".old-{path.name}"
     retire(old)
     if path.exists():
         os.rename(path, old)
     os.rename(tmp, path)
+    sync_directory(path.parent)
     retire(old)
 
 
 def recover(out):
     """Finish the replacements a kill interrupted: a complete .tmp-NAME goes to NAME; an .old-NAME
-    is removed where NAME is complete, and otherwise put back."""
+    is removed where NAME is complete, and otherwise put back. A .del-NAME (a removal that a kill
+    cut short) is removed, and said so."""
+    for doomed in out.glob(".del-*"):
+        print(f"removing {doomed}, left partial by a removal that was killed")
+        shutil.rmtree(doomed)
     for tmp in out.glob(".tmp-*"):
-        if missing(tmp) is None:
+        if tmp.is_dir() and missing(tmp) is None:
             replace(out / tmp.name[len(".tmp-"):], tmp)
     for old in out.glob(".old-*"):
         path = out / old.name[len(".old-"):]
@@ -131,6 +167,7 @@ def recover(out):
         elif missing(old) is None:
             retire(path)
             os.rename(old, path)
+    sync_directory(out)
 
 
 def open_run(args, rank, world_size):
@@ -259,7 +296,8 @@ def load(checkpoint, policy, optimizer, generator, rank):
     """Restore the AdamW state (and a sharded checkpoint's weights: else they were loaded with the
     model) and this rank's RNG streams; return this rank's queue of batches sampled ahead
     (--async-lag)."""
-    if (checkpoint / SHARDED).is_dir():  # each rank reads its own shards
+    if json.loads((checkpoint / "trainer_state.json").read_text()).get("sharded"):
+        # each rank reads its own shards
         state = {"model": get_model_state_dict(policy),
                  "optimizer": get_optimizer_state_dict(policy, optimizer)}
         dcp.load(state, checkpoint_id=checkpoint / SHARDED)
@@ -284,12 +322,45 @@ def on_device(batch, device):
 
 def save(path, policy, tokenizer, optimizer, generator, queue, trainer_state, rank, keep_last=0):
     """Write the checkpoint `path` (all ranks call this), as the module docstring says;
-    trainer_state["sharded"] saves the weights and AdamW state with DCP."""
+    trainer_state["sharded"] saves the weights and AdamW state with DCP. A disk too full for it
+    stops the run in one line, before writing where the free space is short already, the previous
+    checkpoint intact."""
     tmp = path.parent / f".tmp-{path.name}"
+    needed = checkpoint_bytes(policy, optimizer,
+                              bf16_export=trainer_state.get("sharded") and path.name == "final")
+    short = None
     if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        short = no_room(path, needed, keep_last)
+        if not short:
+            tmp.mkdir(parents=True)
+    stop_if_any_rank(short)
+    error = None
+    try:
+        write_files(tmp, path.name, policy, tokenizer, optimizer, generator, queue,
+                    trainer_state, rank)
+    except Exception as caught:  # torch.save's zip writer says "unexpected pos", not ENOSPC
+        if shutil.disk_usage(path.parent).free >= FULL and "No space left" not in str(caught):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        error = no_room(path, needed, keep_last, failed=True)
+    stop_if_any_rank(error)  # and every rank's files are written
+    if rank == 0:
+        # every file on disk, then the folders, before the mark of a complete checkpoint
+        sync_files(*(file for file in tmp.rglob("*") if file.is_file()))
+        for folder in (*(folder for folder in tmp.rglob("*") if folder.is_dir()), tmp):
+            sync_directory(folder)
+        write_durably(tmp / "trainer_state.json",
+                      (json.dumps(trainer_state, indent=2) + "\n").encode())
+        replace(path, tmp)
+        if keep_last and path.name.startswith("step_"):
+            rotate(path.parent, keep_last)
     barrier()
+
+
+def write_files(tmp, name, policy, tokenizer, optimizer, generator, queue, trainer_state, rank):
+    """Every rank's files of the checkpoint NAME into `tmp`, each rank's synced."""
     # collectives on every rank: DCP writes each rank's shards; a full state dict gathers them
     # onto rank 0's CPU
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -298,12 +369,14 @@ def save(path, policy, tokenizer, optimizer, generator, queue, trainer_state, ra
                   "optimizer": get_optimizer_state_dict(policy, optimizer)},
                  checkpoint_id=tmp / SHARDED)
     weights = (get_model_state_dict(policy, options=full)
-               if path.name == "final" or not trainer_state.get("sharded") else None)
+               if name == "final" or not trainer_state.get("sharded") else None)
     optimizer_state = (None if trainer_state.get("sharded")
                        else get_optimizer_state_dict(policy, optimizer, options=full))
     torch.save(rng_state(generator), tmp / f"rng_rank{rank}.pt")
     # sampled ahead, not yet trained on; on the CPU, so any device can resume it
     torch.save([on_device(batch, "cpu") for batch in queue], tmp / f"queue_rank{rank}.pt")
+    # each rank syncs its own files (on NFS only the writer's host can); DCP synced its shards
+    sync_files(tmp / f"rng_rank{rank}.pt", tmp / f"queue_rank{rank}.pt")
     if rank == 0:
         if weights is None:
             unwrap(policy).config.save_pretrained(tmp)
@@ -314,13 +387,31 @@ def save(path, policy, tokenizer, optimizer, generator, queue, trainer_state, ra
         tokenizer.save_pretrained(tmp)
         if optimizer_state is not None:
             torch.save(optimizer_state, tmp / "optimizer.pt")
-    barrier()  # every rank's files are written
-    if rank == 0:
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
-        replace(path, tmp)
-        if keep_last and path.name.startswith("step_"):
-            rotate(path.parent, keep_last)
-    barrier()
+
+
+FULL = 16 * 2**20  # a write that failed with less free space than this failed for want of it
+
+
+def checkpoint_bytes(policy, optimizer, bf16_export):
+    """About the bytes of one checkpoint: the fp32 weights, the AdamW state and, for an FSDP run's
+    final/, the bf16 export (the tokenizer, RNG states and queue are small beside them)."""
+    weights = sum(p.numel() * p.element_size() for p in unwrap(policy).parameters())
+    adam = sum(value.numel() * value.element_size() for state in optimizer.state.values()
+               for value in state.values() if isinstance(value, torch.Tensor))
+    return weights + adam + (weights // 2 if bf16_export else 0)
+
+
+def no_room(path, needed, keep_last, failed=False):
+    """The one-line message of a disk too full to save `path`, or None where there is room."""
+    free = shutil.disk_usage(path.parent).free
+    if free >= needed and not failed:
+        return None
+    held = (f"with --keep-last {keep_last} the folder holds {keep_last + 1} checkpoints while "
+            f"one is saved, the new one written before the oldest goes" if keep_last else
+            "without --keep-last every step_N stays")
+    return (f"no space left on the disk of {path.parent} to save {path.name}: it needs about "
+            f"{needed:,} bytes, {free:,} are free{' after the failed write' if failed else ''} "
+            f"({held}); the previous checkpoint is intact: free space, then --resume")
 
 
 def export_bf16(model, directory, weights):
@@ -405,6 +496,16 @@ def write_durably(path, content):
         os.fsync(file.fileno())
     os.replace(tmp, path)
     sync_directory(path.parent)
+
+
+def sync_files(*paths):
+    """fsync files: their bytes on disk, not only in the page cache, when this returns."""
+    for path in paths:
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
 
 
 def sync_directory(directory):

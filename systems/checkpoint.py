@@ -35,6 +35,7 @@ import atexit
 import collections
 import dataclasses
 import fcntl
+import gc
 import json
 import os
 import random
@@ -44,6 +45,7 @@ import socket
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict,
                                                      set_model_state_dict,
@@ -307,10 +309,27 @@ def load(checkpoint, policy, optimizer, generator, rank):
         set_optimizer_state_dict(policy, optimizer,
                                  torch.load(checkpoint / "optimizer.pt", mmap=True),
                                  options=StateDictOptions(full_state_dict=True))
+    release_files(policy, optimizer)
     set_rng_state(torch.load(checkpoint / f"rng_rank{rank}.pt", weights_only=False), generator)
     device = next(policy.parameters()).device
     queue = torch.load(checkpoint / f"queue_rank{rank}.pt", weights_only=False, map_location="cpu")
     return collections.deque(on_device(batch, device) for batch in queue)
+
+
+@torch.no_grad()
+def release_files(policy, optimizer):
+    """Copy into memory of their own the weights and AdamW state that are still mapped from a
+    checkpoint's files (safetensors' and torch.load's mmap): else a resumed run keeps the disk
+    space of the checkpoint it resumed until it exits, even after --keep-last removes it. (FSDP's
+    shards and what DCP reads in are copies already.)"""
+    for param in unwrap(policy).parameters():
+        if not isinstance(param, DTensor):
+            param.data = param.data.clone()
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                state[key] = value.clone()
+    gc.collect()  # the loaded state dict, if a reference cycle holds it, and its mapping with it
 
 
 def on_device(batch, device):
@@ -326,8 +345,14 @@ def save(path, policy, tokenizer, optimizer, generator, queue, trainer_state, ra
     stops the run in one line, before writing where the free space is short already, the previous
     checkpoint intact."""
     tmp = path.parent / f".tmp-{path.name}"
-    needed = checkpoint_bytes(policy, optimizer,
-                              bf16_export=trainer_state.get("sharded") and path.name == "final")
+    # the weights and AdamW state, or the last checkpoint of the kind on disk (the tokenizer too)
+    alike = [directory for directory in path.parent.glob("step_*" if path.name.startswith("step_")
+                                                         else path.name)
+             if directory.is_dir() and missing(directory) is None]
+    needed = max([checkpoint_bytes(policy, optimizer, bf16_export=trainer_state.get("sharded")
+                                   and path.name == "final"),
+                  *(sum(file.stat().st_size for file in directory.rglob("*") if file.is_file())
+                    for directory in alike)])
     short = None
     if rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)

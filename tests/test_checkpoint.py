@@ -455,8 +455,10 @@ def test_a_full_disk_says_so_in_one_line_and_keeps_the_last_checkpoint(
                         torch.Generator(), collections.deque(), trainer_state, 0, keep_last=1)
 
     save(1)
-    # fp32 weights and AdamW's two moments, 4 bytes a number; AdamW's step, a float32 a weight
-    needed = sum(p.numel() * 3 * 4 + 4 for p in policy.parameters())
+    # fp32 weights and AdamW's two moments, 4 bytes a number; AdamW's step, a float32 a weight;
+    # or step_1's size on disk (the tokenizer too), the larger
+    needed = max(sum(p.numel() * 3 * 4 + 4 for p in policy.parameters()),
+                 sum(f.stat().st_size for f in (tmp_path / "step_1").rglob("*") if f.is_file()))
     usage = shutil.disk_usage
 
     def full(path):  # `when` == "before": short of room already; else full after the first query
@@ -479,3 +481,33 @@ def test_a_full_disk_says_so_in_one_line_and_keeps_the_last_checkpoint(
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
     assert checkpoint.missing(tmp_path / "step_1") is None
+
+
+def test_a_resumed_run_maps_nothing_of_the_checkpoint_it_resumed(
+        tmp_path, tiny_llama, smollm2_tokenizer, one_thread):
+    """Loaded as train.py loads it (the weights by from_pretrained, then checkpoint.load), then
+    removed as --keep-last removes it: no file of the checkpoint stays mapped into the process, so
+    its disk space is free at once (safetensors and torch.load(mmap=True) had kept the weights and
+    the AdamW state mapped from the deleted files until the run ended)."""
+    import collections
+
+    import torch
+
+    from systems.model import load_model
+
+    policy = tiny_llama(64)
+    optimizer = torch.optim.AdamW(policy.parameters())
+    policy(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    optimizer.step()
+    trainer_state = {"step": 1, "data_position": 0, "world_size": 1}
+    checkpoint.save(tmp_path / "step_1", policy, smollm2_tokenizer, optimizer, torch.Generator(),
+                    collections.deque(), trainer_state, 0)
+    resumed = load_model(str(tmp_path / "step_1"))
+    resumed_optimizer = torch.optim.AdamW(resumed.parameters())
+    checkpoint.load(tmp_path / "step_1", resumed, resumed_optimizer, torch.Generator(), 0)
+    checkpoint.retire(tmp_path / "step_1")
+    mapped = [line for line in Path("/proc/self/maps").read_text().splitlines()
+              if str(tmp_path) in line]
+    assert mapped == []
+    for name, tensor in resumed.state_dict().items():  # and the values are the checkpoint's
+        assert torch.equal(tensor, policy.state_dict()[name]), name

@@ -133,8 +133,9 @@ group.add_argument("--compile-sampler", action=argparse.BooleanOptionalAction, d
                         "runtime.COMPILED_SAMPLER_ON names (none until a GPU has timed it)")
 group.add_argument("--generate-rows", type=int, default=0,
                    help="rows one generate call decodes at a time, sampling and --eval-every's "
-                        "evaluation, the same samples (0 = auto: as many as fit their KV cache in "
-                        "half the GPU memory free; all on a CPU)")
+                        "evaluation (0 = auto: as many as fit their KV cache in half the GPU "
+                        "memory free; all on a CPU); the same samples in fp32 whatever the count, "
+                        "in bf16 only with the same count: fix it for bf16 samples that repeat")
 group = parser.add_argument_group("model and data")
 group.add_argument("--model", default="smollm2-135m",
                    help="policy and reference: a hub id, a save_pretrained directory, "

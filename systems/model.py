@@ -189,7 +189,7 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
 
 
 def is_sharded_checkpoint(name):
-    """Whether `name` is a checkpoint whose weights are only in DCP shards (systems/checkpoint.py)."""
+    """Whether `name` is a checkpoint whose weights are only DCP shards (systems/checkpoint.py)."""
     path = Path(name)
     return ((path / "sharded" / ".metadata").is_file() and (path / "config.json").is_file()
             and not any(path.glob("*.safetensors")))

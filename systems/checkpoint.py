@@ -178,9 +178,13 @@ def open_run(args, rank, world_size):
     anyone reads it."""
     problem = None
     if rank == 0:
-        problem = lock(args.out) or (
-            f"{args.out} is not empty: pass --resume to continue that run, or another --out"
-            if not args.resume and any(p.name != LOCK for p in args.out.iterdir()) else None)
+        ours = not (args.out / LOCK).exists()  # a lock file this run adds, to remove if it stops
+        problem = lock(args.out)
+        if not problem and not args.resume and any(p.name != LOCK for p in args.out.iterdir()):
+            problem = f"{args.out} is not empty: pass --resume to continue that run, or another --out"
+            if ours:
+                unlock()
+                (args.out / LOCK).unlink()
     stop_if_any_rank(problem)
     if args.resume and rank == 0 and args.out.is_dir():
         recover(args.out)

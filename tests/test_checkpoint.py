@@ -511,3 +511,10 @@ def test_a_resumed_run_maps_nothing_of_the_checkpoint_it_resumed(
     assert mapped == []
     for name, tensor in resumed.state_dict().items():  # and the values are the checkpoint's
         assert torch.equal(tensor, policy.state_dict()[name]), name
+
+
+def test_a_new_run_refused_a_folder_leaves_no_lock_file_in_it(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="is not empty: pass --resume"):
+        checkpoint.open_run(run_args(tmp_path), 0, 1)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]

@@ -14,6 +14,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -206,6 +207,8 @@ def load_sharded(name, trust_remote_code=False):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                              trust_remote_code=trust_remote_code)
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=Path(name) / "sharded", no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load(state, checkpoint_id=Path(name) / "sharded", no_dist=True)
     set_model_state_dict(model, state["model"])
     return model

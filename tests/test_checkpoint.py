@@ -518,3 +518,40 @@ def test_a_new_run_refused_a_folder_leaves_no_lock_file_in_it(tmp_path):
     with pytest.raises(SystemExit, match="is not empty: pass --resume"):
         checkpoint.open_run(run_args(tmp_path), 0, 1)
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_a_second_run_on_a_running_out_stops_and_a_killed_ones_lock_is_taken_over(
+        tmp_path, letter_model):
+    """Real processes: a run going (--save-every 1), a second `--resume` on its --out stops at once
+    naming the first's pid, and the first's metrics.jsonl goes on unharmed; the first SIGKILLed,
+    a third `--resume` takes its lock over, says so, and continues from its newest checkpoint."""
+    import signal
+    import time
+
+    from test_train import ROOT, flags, metrics, run_module
+
+    out = tmp_path / "out"
+    argv = flags(letter_model(tmp_path), out, "--steps", "500", "--save-every", "1")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    first = subprocess.Popen([sys.executable, "-m", "test_train", *argv], cwd=ROOT, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while checkpoint.latest(out) is None and time.time() < deadline:
+            time.sleep(0.5)
+        second = run_module([*argv, "--resume"])
+        assert second.returncode == 1
+        assert f"pid {first.pid}); wait for it to end" in second.stderr.strip().splitlines()[-1]
+        assert first.poll() is None  # the first goes on
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    steps = [row["step"] for row in metrics(out)]
+    assert steps == list(range(1, len(steps) + 1))  # one row a step, none twice
+    newest = checkpoint.step_of(checkpoint.latest(out))
+    third = run_module([*argv[:-4], "--steps", str(newest + 1), "--resume"])
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert f"took over the lock of {out} from a run that is gone (host " in third.stdout
+    assert f"pid {first.pid}" in third.stdout and f"resuming {out / f'step_{newest}'}" in third.stdout
+    assert [row["step"] for row in metrics(out)] == list(range(1, newest + 2))

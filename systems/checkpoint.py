@@ -438,9 +438,11 @@ def no_room(path, needed, keep_last, failed=False):
     held = (f"with --keep-last {keep_last} the folder holds {keep_last + 1} checkpoints while "
             f"one is saved, the new one written before the oldest goes" if keep_last else
             "without --keep-last every step_N stays")
-    return (f"no space left on the disk of {path.parent} to save {path.name}: it needs about "
-            f"{needed:,} bytes, {free:,} are free{' after the failed write' if failed else ''} "
-            f"({held}); the previous checkpoint is intact: free space, then --resume")
+    # a write that ran out of room needed more than the room it had, whatever the estimate says
+    room = (f"it needs more than the {free:,} bytes free (estimated at {needed:,})" if failed
+            else f"it needs about {needed:,} bytes, {free:,} are free")
+    return (f"no space left on the disk of {path.parent} to save {path.name}: {room} ({held}); "
+            f"the previous checkpoint, if any, is intact: free space, then --resume")
 
 
 def export_bf16(model, directory, weights):

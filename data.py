@@ -19,6 +19,8 @@ import random
 import sys
 import zlib
 
+import numpy as np
+
 from systems.hub import require_hub
 from reward import choice_reward, countdown_reward, extract_boxed, math_reward
 
@@ -75,6 +77,15 @@ def load_task(name, split="train", limit=None, seed=0):
         examples = [examples[i]
                     for i in sorted(random.Random(seed).sample(range(len(examples)), limit))]
     return examples
+
+
+def prompt_batch(examples, start, count, seed):
+    """Examples start, ..., start + count - 1 of an endless stream: the task reshuffled (seeded)
+    every epoch."""
+    n, positions = len(examples), range(start, start + count)
+    orders = {epoch: np.random.default_rng([seed, epoch]).permutation(n)
+              for epoch in {p // n for p in positions}}
+    return [examples[orders[p // n][p % n]] for p in positions]
 
 
 def prompt_ids(tokenizer, example, chat_template=True):

@@ -31,9 +31,9 @@ Where it departs from the paper, or fills in what the paper leaves unsaid:
 - The defaults are a run for a CPU (SmolLM2-135M-Instruct on arith); docs/gpu.md has the paper's.
 
 Precision: fp32 master weights and AdamW state. The no-grad log-probs that feed the KL and the ratio
-are fp32 (--logprob-dtype; on CUDA fp32 from bf16 tensor cores, systems/split_matmul.py): in bf16 their
-rounding alone puts a floor under every KL (docs/precision.md). The gradient pass runs in bf16
-autocast where the device has it and takes its values from the fp32 pass,
+are fp32 (--logprob-dtype; on A100/H100-class cards fp32 from bf16 tensor cores,
+systems/split_matmul.py): in bf16 their rounding alone puts a floor under every KL
+(docs/precision.md). The gradient pass runs in bf16 autocast where the device has it and takes its values from the fp32 pass,
 logp + sg[logp_fp32 - logp], so only the gradient's direction carries bf16 rounding. Sampling uses a
 bf16 copy of the weights (runtime.make_sampler), refreshed after every step; `mismatch_kl` measures
 the gap between sampler and trainer, so "on-policy" is measured, not assumed. Distributed: torchrun
@@ -53,7 +53,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -97,7 +96,7 @@ def main(argv=None):
     examples, eval_sets, tokenizer, policy, stop_ids = loaded
     sampler = runtime.make_sampler(policy, device, dtype, args.fsdp)  # rollout.generate, eval
     if args.grad_checkpointing:
-        checkpoint_activations(policy)
+        runtime.checkpoint_activations(policy)
     policy = runtime.wrap(policy, device, args.fsdp)
     reference = reference_model(args, device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.01)
@@ -129,8 +128,8 @@ def main(argv=None):
         # --async-lag N: the batch trained on was sampled N updates ago (the first ones by the
         # initial weights), so N + 1 batches are sampled ahead, each with the step of its weights
         while len(queue) <= args.async_lag:
-            problems = prompt_batch(examples, position + rank * prompts_per_rank, prompts_per_rank,
-                                    args.seed)
+            problems = data.prompt_batch(examples, position + rank * prompts_per_rank,
+                                         prompts_per_rank, args.seed)
             position += args.prompts_per_step
             # each prompt's G completions are contiguous: an RLOO group
             prompts = [ids for example in problems
@@ -214,12 +213,12 @@ def main(argv=None):
                          f"step {step}; stopping. The last good checkpoint is {last_good}",
                          "train.py")
         if args.save_every and step % args.save_every == 0:
-            save(args, step, position, world_size, policy, tokenizer, optimizer, generator, queue,
-                 rank)
+            checkpoint.save_run(args, step, position, world_size, policy, tokenizer, optimizer,
+                                generator, queue, rank)
 
     report.close()
-    save(args, max(args.steps, start_step), position, world_size, policy, tokenizer, optimizer,
-         generator, queue, rank, name="final")
+    checkpoint.save_run(args, max(args.steps, start_step), position, world_size, policy, tokenizer,
+                        optimizer, generator, queue, rank, name="final")
     print0(f"saved {args.out / 'final'}")
     runtime.finish()
 
@@ -388,16 +387,6 @@ def load(args, checkpoint_dir):
     return examples, eval_sets, tokenizer, policy, stop_ids
 
 
-def checkpoint_activations(policy):
-    """--grad-checkpointing: recompute each decoder layer's activations in the backward pass."""
-    # recent transformers 5 call it activation_checkpointing_enable
-    enable = getattr(policy, "activation_checkpointing_enable",
-                     policy.gradient_checkpointing_enable)
-    enable({"use_reentrant": False})
-    policy.train()  # transformers checkpoints only in train mode: keep dropout off, as in eval
-    runtime.no_dropout(policy)
-
-
 def reference_model(args, device):
     """pi_ref: the initial policy, frozen, in fp32 like the policy's no-grad pass; None when no KL
     is used (--place none or --beta 0)."""
@@ -406,15 +395,6 @@ def reference_model(args, device):
     reference = load_model(args.model, torch.float32, args.trust_remote_code)
     reference.requires_grad_(False)
     return runtime.shard(reference) if args.fsdp else reference.to(device)
-
-
-def prompt_batch(examples, start, count, seed):
-    """Examples start, ..., start + count - 1 of an endless stream: the task reshuffled (seeded)
-    every epoch."""
-    n, positions = len(examples), range(start, start + count)
-    orders = {epoch: np.random.default_rng([seed, epoch]).permutation(n)
-              for epoch in {p // n for p in positions}}
-    return [examples[orders[p // n][p % n]] for p in positions]
 
 
 def evaluate_pass1(args, sampler, tokenizer, eval_sets, batch_size, rank, world_size):
@@ -430,15 +410,6 @@ def evaluate_pass1(args, sampler, tokenizer, eval_sets, batch_size, rank, world_
         row.update({f"eval/{Path(name).stem}/{key}": result[key]
                     for key in ("accuracy", "stderr", "pass@1", "n")})
     return row
-
-
-def save(args, step, position, world_size, policy, tokenizer, optimizer, generator, queue, rank,
-         name=None):
-    """checkpoint.save to OUT/step_N (or OUT/NAME), with the state that --resume continues from."""
-    trainer_state = {"step": step, "data_position": position, "world_size": world_size,
-                     "flags": checkpoint.run_flags(args), "sharded": args.fsdp}
-    checkpoint.save(args.out / (name or f"step_{step}"), policy, tokenizer, optimizer, generator,
-                    queue, trainer_state, rank, args.keep_last)
 
 
 if __name__ == "__main__":

@@ -343,6 +343,15 @@ def on_device(batch, device):
     return {**batch, "out": dataclasses.replace(out, **tensors)}
 
 
+def save_run(args, step, position, world_size, policy, tokenizer, optimizer, generator, queue,
+             rank, name=None):
+    """train.py's save: to OUT/step_N (or OUT/NAME), with the state that --resume continues from."""
+    trainer_state = {"step": step, "data_position": position, "world_size": world_size,
+                     "flags": run_flags(args), "sharded": args.fsdp}
+    save(args.out / (name or f"step_{step}"), policy, tokenizer, optimizer, generator, queue,
+         trainer_state, rank, args.keep_last)
+
+
 def save(path, policy, tokenizer, optimizer, generator, queue, trainer_state, rank, keep_last=0):
     """Write the checkpoint `path` (all ranks call this), as the module docstring says;
     trainer_state["sharded"] saves the weights and AdamW state with DCP. A disk too full for it

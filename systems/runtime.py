@@ -117,8 +117,8 @@ def bf16x6_cannot_run(device, capability=None):
         return None
     major, minor = capability or torch.cuda.get_device_capability(device)
     if major < 8:
-        return (f"--logprob-dtype bf16x6 needs bf16 tensor cores (compute capability 8.0 or higher); "
-                f"this GPU has {major}.{minor}: use --logprob-dtype float32 (auto picks it here)")
+        return (f"--logprob-dtype bf16x6 needs bf16 tensor cores (compute capability 8.0 or "
+                f"higher); this GPU has {major}.{minor}: use --logprob-dtype float32 (auto picks it here)")
     if not split_matmul.OUT_DTYPE:
         return (f"--logprob-dtype bf16x6 needs torch.mm's out_dtype on CUDA (torch 2.8 or later), "
                 f"this is {torch.__version__}: use --logprob-dtype float32 (auto picks it here)")
@@ -244,6 +244,16 @@ def no_dropout(model):
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):
             module.attention_dropout = 0.0
+
+
+def checkpoint_activations(policy):
+    """--grad-checkpointing: recompute each decoder layer's activations in the backward pass."""
+    # recent transformers 5 call it activation_checkpointing_enable
+    enable = getattr(policy, "activation_checkpointing_enable",
+                     policy.gradient_checkpointing_enable)
+    enable({"use_reentrant": False})
+    policy.train()  # transformers checkpoints only in train mode: keep dropout off, as in eval
+    no_dropout(policy)
 
 
 def make_sampler(policy, device, dtype, fsdp):

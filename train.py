@@ -33,13 +33,13 @@ Where it departs from the paper, or fills in what the paper leaves unsaid:
 Precision: fp32 master weights and AdamW state. The no-grad log-probs that feed the KL and the ratio
 are fp32 (--logprob-dtype; on A100/H100-class cards fp32 from bf16 tensor cores,
 systems/split_matmul.py): in bf16 their rounding alone puts a floor under every KL
-(docs/precision.md). The gradient pass runs in bf16 autocast where the device has it and takes
-its values from the fp32 pass, logp + sg[logp_fp32 - logp], so only the gradient's direction carries bf16 rounding. Sampling uses a
-bf16 copy of the weights (runtime.make_sampler), refreshed after every step; `mismatch_kl` measures
-the gap between sampler and trainer, so "on-policy" is measured, not assumed. Distributed: torchrun
-gives DDP (gloo on CPU, NCCL on CUDA), --fsdp FSDP2. Each rank samples its share of the prompts;
-`num_tokens` counts every rank's tokens, so a step's gradient is the same for any --micro-batch and
-any number of ranks (test_train.py checks both to 1e-5).
+(docs/precision.md). The gradient pass runs in bf16 autocast where the device has it and takes its
+values from the fp32 pass, logp + sg[logp_fp32 - logp], so only the gradient's direction carries
+bf16 rounding. Sampling uses a bf16 copy of the weights (runtime.make_sampler), refreshed after
+every step; `mismatch_kl` measures the gap between sampler and trainer, so "on-policy" is measured,
+not assumed. Distributed: torchrun gives DDP (gloo on CPU, NCCL on CUDA), --fsdp FSDP2. Each rank
+samples its share of the prompts; `num_tokens` counts every rank's tokens, so a step's gradient is
+the same for any --micro-batch and any number of ranks (test_train.py checks both to 1e-5).
 Checkpoints and --resume: systems/checkpoint.py.
 
     python train.py --kl k1 --place reward          # SmolLM2-135M-Instruct on arith, on a CPU

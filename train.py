@@ -50,6 +50,7 @@ from tqdm import tqdm
 
 import advantage
 from systems import checkpoint
+from systems import cuda_decode
 import data
 import kl
 import logprobs
@@ -129,8 +130,8 @@ group.add_argument("--top-p", type=float, default=1.0,
                         "are under")
 group.add_argument("--compile-sampler", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the fixed-shape decode step (CUDA's loop) with torch.compile, "
-                        "Inductor fusing each layer's small kernels (rollout.compiled_step; about "
-                        "2 minutes at the first step at 7B); default: on the devices "
+                        "Inductor fusing each layer's small kernels (cuda_decode.compiled_step; "
+                        "about 2 minutes at the first step at 7B); default: on the devices "
                         "runtime.COMPILED_SAMPLER_ON names (none until a GPU has timed it)")
 group.add_argument("--generate-rows", type=int, default=0,
                    help="rows one generate call decodes at a time, sampling and --eval-every's "
@@ -483,7 +484,7 @@ def main(argv=None):
            + (f", resuming {resume_from}" if resume_from else
               ", no checkpoint to resume" if args.resume else ""))
     if device.type == "cuda":  # what the sampler will attend with, by the rule it follows
-        print0(rollout.flash_choice(device, dtype)[1])
+        print0(cuda_decode.flash_choice(device, dtype)[1])
 
     G, prompts_per_rank, bad_in_a_row = args.group_size, args.prompts_per_step // world_size, 0
     steps = range(start_step + 1, args.steps + 1)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import eval as evaluation
-import rollout
+from systems import cuda_decode
 
 REPO = Path(__file__).resolve().parents[1]  # the repository
 
@@ -147,7 +147,7 @@ def test_on_a_gpu_eval_samples_with_the_projections_joined(eval_runs, monkeypatc
     joined = []
     monkeypatch.setattr(evaluation.runtime, "FUSED_PROJECTIONS_ON", ("cpu",))
     monkeypatch.setattr(evaluation, "fuse_projections",
-                        lambda model: joined.append(model) or rollout.fuse_projections(model))
+                        lambda model: joined.append(model) or cuda_decode.fuse_projections(model))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

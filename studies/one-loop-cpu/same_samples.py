@@ -45,11 +45,11 @@ CASES = [  # (name, prompts, max_new_tokens, temperature, top_p, seed)
 ]
 
 
-def run(module, static_kwarg):
+def run(module, static_kwarg, fast=None):
     samples = {}
     for name, prompts, T, temperature, top_p, seed in CASES:
         generator = torch.Generator().manual_seed(seed)
-        kwargs = {"static": True} if static_kwarg else {}
+        kwargs = {"static": True} if static_kwarg else {"fast": fast}
         out = module.generate(model, prompts, T, temperature, top_p, eos, generator,
                               max_rows=4 if "max_rows" in name else None, **kwargs)
         samples[name] = (out.tokens, out.token_logprobs, out.response_mask)
@@ -66,11 +66,17 @@ if args.record is not None:
     sys.exit()
 import rollout  # noqa: E402
 
-after = run(rollout, "static" in inspect.signature(rollout.generate).parameters)
-for name in before:
-    same = [torch.equal(b, a) for b, a in zip(before[name], after[name])]
-    rows, width = before[name][0].shape
-    print(f"{name}: {rows} rows, {width} tokens: tokens {'same' if same[0] else 'DIFFER'}, "
-          f"log-probs {'same' if same[1] else 'DIFFER'}, masks {'same' if same[2] else 'DIFFER'}")
-print("bit for bit" if all(torch.equal(b, a) for name in before
-                           for b, a in zip(before[name], after[name])) else "NOT bit for bit")
+# the reader's step (rollout.decode_step), and the GPU's (systems/cuda_decode.fast_step) run eagerly
+# on this CPU: the same forward in fewer kernels, and inverse_cdf by blocks as the before side's
+for fast in (False, True):
+    after = run(rollout, "static" in inspect.signature(rollout.generate).parameters, fast=fast)
+    print(f"# {'cuda_decode.fast_step (eager, on the CPU)' if fast else 'rollout.decode_step'}")
+    for name in before:
+        same = [torch.equal(b, a) for b, a in zip(before[name], after[name])]
+        rows, width = before[name][0].shape
+        worst = (before[name][1] - after[name][1]).abs().max().item()
+        print(f"{name}: {rows} rows, {width} tokens: tokens {'same' if same[0] else 'DIFFER'}, "
+              f"log-probs {'same' if same[1] else f'DIFFER (at most {worst:.2g})'}, masks "
+              f"{'same' if same[2] else 'DIFFER'}")
+    print("bit for bit" if all(torch.equal(b, a) for name in before
+                               for b, a in zip(before[name], after[name])) else "NOT bit for bit")

@@ -692,7 +692,8 @@ def test_sampler_shares_fp32_weights_and_keeps_fp32_buffers(tiny, tmp_path):
     bf16 = ("--steps", "1", "--place", "none", "--dtype", "bfloat16")
     run = train(flags(tiny, tmp_path / "bf16-cpu", *bf16))
     assert not any(hasattr(module, "fused") for module in run["sampler"].modules())
-    run = train(flags(tiny, tmp_path / "bf16", *bf16), runtime__FUSED_PROJECTIONS_ON=("cpu",))
+    run = train(flags(tiny, tmp_path / "bf16", *bf16),
+                systems__runtime__FUSED_PROJECTIONS_ON=("cpu",))
     sampler, policy = run["sampler"], run["policy"]
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in sampler.parameters())
     buffers = dict(policy.named_buffers())
@@ -816,16 +817,17 @@ def test_resume_refuses_another_resolved_dtype(tiny, tmp_path):
     from systems import runtime
 
     extra = ("--dtype", "auto", "--steps", "1")
-    train(flags(tiny, tmp_path, *extra), runtime__bf16_is_native=lambda device: False)
+    train(flags(tiny, tmp_path, *extra), systems__runtime__bf16_is_native=lambda device: False)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["dtype"] == "float32"
     assert config["logprob_dtype"] == "float32"  # --logprob-dtype auto, resolved on a CPU
     with pytest.raises(SystemExit) as error:
         train(flags(tiny, tmp_path, *extra, "--resume"),
-              runtime__bf16_is_native=lambda device: True)
+              systems__runtime__bf16_is_native=lambda device: True)
     message = str(error.value.code)
     assert "--dtype: float32 -> bfloat16" in message and "\n" not in message
-    train(flags(tiny, tmp_path, *extra, "--resume"), runtime__bf16_is_native=lambda device: False)
+    train(flags(tiny, tmp_path, *extra, "--resume"),
+          systems__runtime__bf16_is_native=lambda device: False)
 
 
 def test_entropy_only_where_it_is_read(tiny, tmp_path):
@@ -1032,5 +1034,5 @@ def test_compile_sampler_reaches_generate_and_resumes_either_way(tiny, tmp_path)
     train(flags(tiny, tmp_path / "run", "--steps", "2", "--compile-sampler", "--resume"),
           rollout__generate=recorded)
     train(flags(tiny, tmp_path / "auto", "--steps", "1"), rollout__generate=recorded,
-          runtime__COMPILED_SAMPLER_ON=("cpu",))
+          systems__runtime__COMPILED_SAMPLER_ON=("cpu",))
     assert calls == [False, True, True]

@@ -17,8 +17,8 @@ How: we reuse the Hugging Face model's modules and weights (Llama, Qwen2 and Qwe
 write only the attention over a preallocated cache. Prefill runs each distinct prompt once (the
 trainer passes each prompt G times); then one decode loop runs every row every step, a finished
 row writing padding (gpt-fast's and nanochat's fixed shape: nothing in a step waits for the host).
-On CUDA the same step runs through systems/cuda_decode.py (CUDA graphs, torch.compile, fused
-projections, flash-attn), wrapped at one call site in decode_rows.
+On CUDA the same forward and step run through systems/cuda_decode.py (CUDA graphs, torch.compile,
+fused projections, flash-attn), swapped in at one call site in decode_rows.
 """
 import math
 from dataclasses import dataclass
@@ -124,8 +124,9 @@ def forward(model, input_ids, cache, span):
     return base.norm(x).view(n, L, -1)
 
 
-def prefill(model, prompts, cache):
-    """Run the prompts (one per cache row, longest first); return next-token logits (rows, V).
+def prefill(model, prompts, cache, forward=forward):
+    """Run the prompts (one per cache row, longest first) through `forward`; return next-token
+    logits (rows, V).
     Each of BUCKETS buckets of rows is right-padded to its own longest prompt. Padding sits after
     each prompt, so causal attention keeps it out of every real token's view; its K/V slots are
     overwritten by decode, which writes at seqlens = the true prompt length."""
@@ -256,7 +257,7 @@ def check_model(model):
 
 
 @torch.no_grad()
-def prefilled(model, prompts, max_new_tokens):
+def prefilled(model, prompts, max_new_tokens, forward=forward):
     """An empty cache for the prompts' rows, prefilled. Cache slots hold the rows longest prompt
     first, so neighbouring slots have similar lengths; identical prompts share one prefill (the
     distinct ones, also longest first, take the first slots), copied to each of their slots.
@@ -274,7 +275,7 @@ def prefilled(model, prompts, max_new_tokens):
         k=torch.zeros(shape, dtype=param.dtype, device=device),
         v=torch.zeros(shape, dtype=param.dtype, device=device),
         seqlens=torch.zeros(num_rows, dtype=torch.int32, device=device))
-    logits = prefill(model, distinct, cache)
+    logits = prefill(model, distinct, cache, forward)
     # slot s <- the prefilled slot of its prompt, layer by layer
     for layer_cache in (*cache.k, *cache.v):
         layer_cache[:, :max_prompt] = layer_cache[source, :max_prompt]  # (the right side is a copy)
@@ -289,8 +290,8 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_tok
     (then exactly max_new_tokens tokens per row). `generator`: a torch.Generator on the model's
     device. `max_rows`: decode at most this many rows at a time (their KV cache is what takes the
     memory: kv_bytes); every row still draws the uniforms of its own index, so the samples are
-    those of one call, up to float rounding. `fast`: decode through systems/cuda_decode.py (None: on
-CUDA, or where `compiled`); `compiled`, `cuda_graphs`: its options (cuda_decode.fast_step)."""
+    those of one call, up to float rounding. `fast`: prefill and decode through systems/cuda_decode.py
+    (None: on CUDA, or where `compiled`); `compiled`, `cuda_graphs`: its options (cuda_decode.fast)."""
     check_model(model)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
@@ -330,13 +331,13 @@ def decode_rows(model, prompts, uniforms, eos, temperature, top_p, options, toke
                 logprobs_out, lengths):
     """Prefill `prompts` and decode them to the end, writing each row's tokens, log-probs and
     response length into the (rows, T) / (rows,) outputs, in row order."""
-    cache, logits, row_of_slot = prefilled(model, prompts, uniforms.shape[1])
-    state = new_decoding(uniforms[row_of_slot], eos, temperature, top_p)
     fast, compiled, cuda_graphs = options
-    step = decode_step
-    if fast or (fast is None and (cache.k.is_cuda or compiled)):
-        from systems import cuda_decode  # the same step made fast (graphs, compile, flash-attn)
-        step = cuda_decode.fast_step(model, cache, compiled, cuda_graphs)
+    run_forward, step = forward, decode_step
+    if fast or (fast is None and (next(model.parameters()).is_cuda or compiled)):
+        from systems import cuda_decode  # the same forward and step, made fast (a GPU's)
+        run_forward, step = cuda_decode.fast(model, compiled, cuda_graphs)
+    cache, logits, row_of_slot = prefilled(model, prompts, uniforms.shape[1], run_forward)
+    state = new_decoding(uniforms[row_of_slot], eos, temperature, top_p)
     decode_loop(model, cache, logits, state, step)
     # slot order -> row order
     tokens_out[row_of_slot], logprobs_out[row_of_slot] = state.tokens_out, state.logprobs_out

@@ -484,8 +484,8 @@ def eos_part(name, rows, max_new_tokens, dtype, report, write):
 
 
 def sync_part(name, rows, dtype):
-    """The decode loop through cuda_decode's step with EOS off (no "all done?" to ask): on CUDA under
-    torch.cuda.set_sync_debug_mode("error"), graphed and eager; on a CPU, the host syncs a
+    """The decode loop through cuda_decode's step with EOS off (no "all done?" to ask): on CUDA
+    under torch.cuda.set_sync_debug_mode("error"), graphed and eager; on a CPU, the host syncs a
     TorchDispatchMode counts (scalar reads, nonzero, boolean-mask indexing)."""
     import rollout
     from systems import cuda_decode
@@ -503,7 +503,7 @@ def sync_part(name, rows, dtype):
             torch.cuda.set_sync_debug_mode("error")
             try:
                 rollout.decode_loop(model, cache, logits, state,
-                                    cuda_decode.fast_step(model, cache, cuda_graphs=graphs))
+                                    cuda_decode.fast(model, cuda_graphs=graphs)[1])
                 result[key] = "no sync"
             except RuntimeError as error:
                 result[key] = f"FAILED: {str(error).splitlines()[0]}"
@@ -526,7 +526,7 @@ def sync_part(name, rows, dtype):
             syncs.found = []
             with syncs:
                 rollout.decode_loop(model, cache, logits, state,
-                                    cuda_decode.fast_step(model, cache, cuda_graphs=False))
+                                    cuda_decode.fast(model, cuda_graphs=False)[1])
             result[key] = (f"{len(syncs.found)} host syncs counted"
                            + (f": {sorted(set(syncs.found))}" if syncs.found else ""))
     ok = all(value in ("no sync", "0 host syncs counted") for value in result.values())

@@ -37,8 +37,8 @@ Each transient (a prefill bucket, a decode step, the two passes) is traced from 
 logprobs.token_logprobs' own code on fake tensors (FakeTensorMode: shapes, no data), counting the
 bytes of every storage alive after each op: the micro-batch is the largest that micro_batch_sizes
 makes of the longest prompts with responses at full length (on CUDA the sampler's norms as their
-fused kernel allocates: cuda_decode.rms_norm). A CUDA kernel's own workspace is not an op and is not in
-the trace (docs/gpu.md compares the trace with the peaks an H200 measured); on CUDA, cuBLAS's
+fused kernel allocates: cuda_decode.rms_norm). A CUDA kernel's own workspace is not an op and is not
+in the trace (docs/gpu.md compares the trace with the peaks an H200 measured); on CUDA, cuBLAS's
 workspaces are resident: one for each thread and stream that runs a GEMM, kept to the end.
 Host memory per node: each rank builds the fp32 model on its host (policy, then reference, one at a
 time) before moving or sharding it.
@@ -254,10 +254,10 @@ def traced(run):
 
 
 def traced_sampling(config, dtype, rows, distinct, prompt_tokens, max_new_tokens, fused, cuda):
-    """(prefill bucket, decode step) transient peaks, bytes: rollout.forward over one prefill bucket
+    """(prefill bucket, decode step) transient peaks, bytes: the forward over one prefill bucket
     of the call's `distinct` prompts (its next-token logits included), and a decode step (over all
-    `rows` at the longest span, sampling included; on `cuda` cuda_decode.static_step, the step
-    CUDA runs, else rollout.decode_step), beside a KV cache of `rows` x (prompt_tokens +
+    `rows` at the longest span, sampling included), both on `cuda` as CUDA runs them
+    (cuda_decode's forward and static_step), else rollout's own, beside a KV cache of `rows` x (prompt_tokens +
     max_new_tokens) slots that is not counted here; `fused`: the projections fused, as
     runtime.make_sampler's copy has them; `cuda`: the norms as CUDA's fused kernel allocates
     them."""
@@ -276,7 +276,9 @@ def traced_sampling(config, dtype, rows, distinct, prompt_tokens, max_new_tokens
         def prefill():
             view = rollout.KVCache(cache.k[:, :bucket], cache.v[:, :bucket],
                                    cache.seqlens[:bucket].clone())
-            hidden = rollout.forward(model, ids, view, span=prompt_tokens)
+            # the forward CUDA runs (cuda_decode.fast), else rollout's own
+            forward = cuda_decode.forward if cuda else rollout.forward
+            hidden = forward(model, ids, view, span=prompt_tokens)
             model.lm_head(hidden[:, -1]).float()
 
         state = rollout.new_decoding(torch.zeros(rows, max_new_tokens, dtype=torch.float64),

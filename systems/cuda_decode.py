@@ -1,6 +1,6 @@
 """The sampler's GPU speed machinery: rollout.decode_step, the same computation, made fast.
 
-rollout.py's decode_rows wraps its step at one call site with fast_step (as gpt-fast wraps its
+rollout.py's decode_rows wraps its forward and step at one call site with fast (as gpt-fast wraps its
 decode_one_token with torch.compile(mode="reduce-overhead")); rollout.py runs without this module
 (CPU, debugging). On a GPU a decode step is ~1,000-2,000 small kernels, each launched from Python
 in a few microseconds, while the GPU runs most of them faster than that: eagerly it waits on the
@@ -33,17 +33,18 @@ CDF_BLOCK = 1024  # inverse_cdf's blocks of tokens: it sums the blocks, then cum
 
 
 # ---------------------------------------------------------------- the one call site's wrapper
-def fast_step(model, cache, compiled=False, cuda_graphs=True):
-    """rollout.decode_step's fast form for this model and cache (one generate's rows): the GPU's
-    forward (fused projections where fuse_projections joined them, fused norms, flash-attn where
-    flash_choice says so, inverse_cdf by blocks), compiled first with `compiled`, and on CUDA
-    captured as a CUDA graph per span and replayed (cuda_graphs=False runs it eagerly, to debug).
-    Returns step(model, cache, state, span), as decode_step's."""
+def fast(model, compiled=False, cuda_graphs=True):
+    """(forward, step): rollout.forward and rollout.decode_step made fast, for one generate's rows
+    of `model`. forward: this module's (fused projections where fuse_projections joined them, fused
+    norms, flash-attn where flash_choice says so), for the prefill. step: the same forward and
+    inverse_cdf by blocks, compiled first with `compiled`, and on CUDA captured as a CUDA graph per
+    span and replayed (cuda_graphs=False runs it eagerly, to debug)."""
     check_fused(model)
-    flash = flash_choice(cache.k.device, cache.k.dtype)[0]
+    param = next(model.parameters())
+    flash = flash_choice(param.device, param.dtype)[0]
     step = functools.partial(compiled_step() if compiled else static_step, flash=flash)
-    if not (cuda_graphs and cache.k.is_cuda):
-        return step
+    if not (cuda_graphs and param.is_cuda):
+        return functools.partial(forward, flash=flash), step
     graphs, pool = {}, torch.cuda.graph_pool_handle()  # one at a time: one memory pool
 
     def replay(model, cache, state, span):
@@ -53,7 +54,7 @@ def fast_step(model, cache, compiled=False, cuda_graphs=True):
         else:  # runs this step, then records it
             graphs[span] = capture(lambda: step(model, cache, state, span), pool,
                                    capture_stream(cache.k.device))
-    return replay
+    return functools.partial(forward, flash=flash), replay
 
 
 @torch.no_grad()
@@ -115,8 +116,8 @@ def decode(model, tokens, cache, span, flash=False):
 
 def forward(model, input_ids, cache, span, flash=False):
     """rollout.forward in fewer kernels: the same decoder over input_ids (n, L) for the n cache
-    rows, K/V appended after seqlens. SDPA reads slots 0..span-1 of every row; flash (span unused)
-    each row's own seqlens + L."""
+    rows, K/V appended after seqlens (a prefill's bucket, or a decode step). SDPA reads slots
+    0..span-1 of every row; flash (span unused) each row's own seqlens + L."""
     base = model.model
     n, L = input_ids.shape
     start = cache.seqlens
@@ -203,7 +204,7 @@ def fuse_projections(model):
     MergedColumnParallelLinear, gpt-fast's wqkv). At batch 256 of Qwen2.5-7B on an H200, k_proj's
     and v_proj's own GEMMs ran at a tenth of the card's bandwidth (docs/benchmarks.md). Weights
     replaced afterwards (`.to()`, a load) leave the fused ones stale: fuse again (as
-    runtime.refresh_sampler does); fast_step refuses a model whose fused weights are stale.
+    runtime.refresh_sampler does); fast refuses a model whose fused weights are stale.
     rollout.py's own forward reads the separate weights, views of the fused ones."""
     for layer in model.model.layers:
         fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj"))

@@ -64,9 +64,10 @@ def compute_dtype(name, device):
 CUDA_LOGPROB_DTYPE = "bf16x6"
 
 
-# where the sampler's own copy fuses its q/k/v and gate/up projections (cuda_decode.fuse_projections):
-# a GPU, where k_proj's and v_proj's GEMMs ran at a tenth of the card's bandwidth (the rule that keeps
-# it is registered in docs/benchmarks.md); not a CPU, where fused was no faster (studies/fused-cpu)
+# where the sampler's own copy fuses its q/k/v and gate/up projections
+# (cuda_decode.fuse_projections): a GPU, where k_proj's and v_proj's GEMMs ran at a tenth of the
+# card's bandwidth (the rule that keeps it is registered in docs/benchmarks.md); not a CPU, where
+# fused was no faster (studies/fused-cpu)
 FUSED_PROJECTIONS_ON = ("cuda",)
 
 
@@ -219,8 +220,8 @@ def make_sampler(policy, device, dtype, fsdp):
     made without a second fp32 copy (each weight is cast as it is copied). Buffers keep their dtype:
     the rotary frequencies rounded to bf16 would turn every position's angle (a 0.2% error in a
     frequency is 0.3 radians at position 200). In fp32, without FSDP, the policy itself is the
-    sampler. On a GPU the copy's q/k/v and gate/up weights are fused (cuda_decode.fuse_projections: 4
-    GEMMs a layer, not 7; FUSED_PROJECTIONS_ON); the policy's, which the optimizer updates,
+    sampler. On a GPU the copy's q/k/v and gate/up weights are fused (cuda_decode.fuse_projections:
+    4 GEMMs a layer, not 7; FUSED_PROJECTIONS_ON); the policy's, which the optimizer updates,
     never."""
     if dtype == torch.float32 and not fsdp:
         return policy.to(device)
@@ -248,7 +249,8 @@ def refresh_sampler(sampler, policy):
     if sampler is unwrap(policy):
         return
     weights = dict(unwrap(policy).named_parameters())
-    cuda_decode.unfuse_projections(sampler)  # a layer's old fused weights go as its views are replaced
+    # a layer's old fused weights go as its views are replaced
+    cuda_decode.unfuse_projections(sampler)
     for name, param in sampler.named_parameters():
         weight = weights[name]
         weight = weight.full_tensor() if isinstance(weight, DTensor) else weight

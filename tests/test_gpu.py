@@ -6,11 +6,13 @@ On a CPU they skip with the reason. They check the CUDA-only branches the CPU su
 through stand-ins (test_cuda_paths.py): the rule that picks flash and bf16 on this GPU (and, on a
 pre-Ampere GPU with flash-attn installed, that its kernel does refuse it); the sampler's
 flash_attn_with_kvcache path against its SDPA path on the same cache; greedy generation with each,
-token by token against the model's own forward pass; the decode loop through cuda_decode.fast_step
-replayed as a CUDA graph against its eager steps and against rollout's own step, under torch.cuda.set_sync_debug_mode("error"), and holding no memory
-after a second call (its captures' cuBLAS workspace); a bf16 training step of train.py on CUDA (NCCL
-is not needed: one process); and an --async-lag queue saved from CUDA onto the CPU and resumed.
+token by token against the model's own forward pass; the decode loop through cuda_decode.fast
+replayed as a CUDA graph against its eager steps and against rollout's own step, under
+torch.cuda.set_sync_debug_mode("error"), and holding no memory after a second call (its captures'
+cuBLAS workspace); a bf16 training step of train.py on CUDA (NCCL is not needed: one process); and
+an --async-lag queue saved from CUDA onto the CPU and resumed.
 """
+import functools
 import json
 import os
 import subprocess
@@ -65,7 +67,9 @@ def test_flash_equals_sdpa_on_the_same_cache(family):
     model = tiny_model(family).cuda().bfloat16()
     prompts = [[5, 9, 2, 7, 7, 1, 3], [3, 4], [8, 8, 8, 1]]
     caches = {flash: cache_for(model, 3, 32) for flash in (True, False)}
-    logits = {flash: rollout.prefill(model, prompts, cache) for flash, cache in caches.items()}
+    flash_forward = functools.partial(cuda_decode.forward, flash=True)
+    logits = {True: rollout.prefill(model, prompts, caches[True], flash_forward),
+              False: rollout.prefill(model, prompts, caches[False])}
     torch.testing.assert_close(logits[True], logits[False], **BF16)
     for _ in range(8):
         tokens = logits[False].argmax(-1)
@@ -97,7 +101,7 @@ def test_greedy_generate_follows_the_model(monkeypatch, flash):
 
 @pytest.mark.parametrize("flash", [True, False], ids=["flash", "sdpa"])
 def test_graphed_fixed_shape_loop_equals_eager(monkeypatch, flash):
-    """generate on CUDA (through cuda_decode.fast_step) in bf16 with EOS at mixed lengths, greedy
+    """generate on CUDA (through cuda_decode.fast) in bf16 with EOS at mixed lengths, greedy
     and sampled: replaying the captured CUDA graph gives the eager step's tokens and log-probs (the
     same kernels on the same tensors), greedy tokens follow the model's own forward pass up to bf16
     ties, and the EOS comes from rollout's own step (fast=False)."""
@@ -123,8 +127,9 @@ def test_graphed_fixed_shape_loop_equals_eager(monkeypatch, flash):
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphed", "eager"])
 def test_the_fixed_shape_loop_never_syncs(graphs):
-    """The decode loop through cuda_decode.fast_step with EOS off (no "all done?" to ask), sampled with top-p, under
-    torch.cuda.set_sync_debug_mode("error"): any synchronizing CUDA operation in it raises."""
+    """The decode loop through cuda_decode.fast with EOS off (no "all done?" to ask), sampled
+    with top-p, under torch.cuda.set_sync_debug_mode("error"): any synchronizing CUDA operation in
+    it raises."""
     model = lively(tiny_model("llama3")).cuda().bfloat16()
     cache, logits, row_of_slot = rollout.prefilled(model, PROMPTS, 20)
     uniforms = torch.rand(len(PROMPTS), 20, device="cuda", dtype=torch.float64)
@@ -134,7 +139,7 @@ def test_the_fixed_shape_loop_never_syncs(graphs):
     torch.cuda.set_sync_debug_mode("error")
     try:
         rollout.decode_loop(model, cache, logits, state,
-                            cuda_decode.fast_step(model, cache, cuda_graphs=graphs))
+                            cuda_decode.fast(model, cuda_graphs=graphs)[1])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert int(state.step) == 20 and state.lengths.eq(20).all()

@@ -229,13 +229,13 @@ def test_top_p_stays_in_nucleus_with_renormalized_logprobs(model, top_p):
 @pytest.mark.parametrize("vocab", [20_000, 16_384, 5_000],
                          ids=["partial last block", "whole blocks", "one cumsum"])
 def test_inverse_cdf_in_blocks_picks_what_one_cumsum_picks(vocab):
-    """cuda_decode.inverse_cdf finds the block by its sums, then the token by a cumsum inside it (from
-    16 blocks of 1,024 tokens up): the token a float64 cumsum over the whole vocabulary picks, for
-    256 skewed distributions with a third of their tokens at zero mass (as top-p leaves them) and
-    masses that do not sum to 1, one row's whole mass on a single token in the last block. Uniforms
-    of 0 and of the largest double below 1 still pick a token of nonzero mass, also where the
-    cumsum inside the block ends below the block's sum (a mass spread over 12 orders of magnitude:
-    in about half of those rows), so the target lies past it."""
+    """cuda_decode.inverse_cdf finds the block by its sums, then the token by a cumsum inside it
+    (from 16 blocks of 1,024 tokens up): the token a float64 cumsum over the whole vocabulary picks,
+    for 256 skewed distributions with a third of their tokens at zero mass (as top-p leaves them)
+    and masses that do not sum to 1, one row's whole mass on a single token in the last block.
+    Uniforms of 0 and of the largest double below 1 still pick a token of nonzero mass, also where
+    the cumsum inside the block ends below the block's sum (a mass spread over 12 orders of
+    magnitude: in about half of those rows), so the target lies past it."""
     generator = torch.Generator().manual_seed(0)
     probs = torch.rand(256, vocab, generator=generator) ** 4
     probs[torch.rand(256, vocab, generator=generator) < 0.3] = 0
@@ -254,7 +254,8 @@ def test_inverse_cdf_in_blocks_picks_what_one_cumsum_picks(vocab):
     last_block = torch.zeros(256, vocab)
     first = (vocab - 1) // 1024 * 1024
     last_block[:, first:] = torch.rand(256, vocab - first, generator=generator) ** 12
-    tokens, _ = cuda_decode.inverse_cdf(last_block, torch.full((256,), 1 - 2**-53, dtype=torch.float64))
+    tokens, _ = cuda_decode.inverse_cdf(last_block,
+                                        torch.full((256,), 1 - 2**-53, dtype=torch.float64))
     assert (last_block.gather(-1, tokens) > 0).all()
 
 
@@ -278,7 +279,8 @@ def test_norms_and_rope_are_hugging_faces_own(family, dtype):
     qkv = torch.randn(2, 5, heads + 2 * kv_heads, head_dim, generator=generator).to(dtype)
     q, k = qkv[:, :, :heads], qkv[:, :, heads:heads + kv_heads]
     if family == "qwen3":
-        assert torch.equal(cuda_decode.rms_norm(layer.self_attn.q_norm, q), layer.self_attn.q_norm(q))
+        q_norm = layer.self_attn.q_norm
+        assert torch.equal(cuda_decode.rms_norm(q_norm, q), q_norm(q))
     positions = torch.tensor([[0, 1, 2, 3, 4], [7, 30, 31, 90, 200]])  # llama3's scaled range too
     cos, sin = model.model.rotary_emb(x, positions)
     theirs = sys.modules[type(model).__module__].apply_rotary_pos_emb(q, k, cos, sin,
@@ -308,10 +310,11 @@ class Calls(torch.overrides.TorchFunctionMode):
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_step_norms_with_rms_norm_and_ropes_q_and_k_together_when_fused(family, fused):
-    """A GPU decode step (cuda_decode.decode) normalizes through F.rms_norm, once for each of the model's norms (on CUDA one
-    fused kernel each, where the modules' own forward runs seven: never the modules' pow), and where
-    fuse_projections joined q, k and v (and no per-head norm comes between: not Qwen3) rotates q and
-    k as one tensor: one rope a layer, its one torch.cat, instead of two."""
+    """A GPU decode step (cuda_decode.decode) normalizes through F.rms_norm, once for each of the
+    model's norms (on CUDA one fused kernel each, where the modules' own forward runs seven: never
+    the modules' pow), and where fuse_projections joined q, k and v (and no per-head norm comes
+    between: not Qwen3) rotates q and k as one tensor: one rope a layer, its one torch.cat, instead
+    of two."""
     model = tiny_model(family)
     if fused:
         fuse_projections(model)

@@ -412,11 +412,12 @@ def test_bench_decode_writes_each_repeat_as_it_goes(tmp_path):
 
 
 def test_the_compiled_step_plumbs_through_generate(monkeypatch):
-    """generate(compiled=True) runs cuda_decode.compiled_step in the decode loop (traced here with
-    a backend that runs the traced graph as it is: Inductor is for a GPU), whose compiled graph is
-    the model's part without the sampler, and samples what the plain step samples; generate
-    (fast=False), rollout's own step, ignores it. One trace serves every span and cache length (other prompts and max_new_tokens): a
-    specialized compile would trace again, a minute each on a GPU."""
+    """generate(compiled=True) runs cuda_decode.compiled_step in the decode loop (traced here with a
+    backend that runs the traced graph as it is: Inductor is for a GPU), whose compiled graph is the
+    model's part without the sampler, and samples what the plain step samples; generate
+    (fast=False), rollout's own step, ignores it. One trace serves every span and cache length
+    (other prompts and max_new_tokens): a specialized compile would trace again, a minute each on a
+    GPU."""
     model = tiny_model("qwen3")
     torch._dynamo.reset()
     calls, traces = [], []

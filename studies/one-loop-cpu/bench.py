@@ -6,7 +6,8 @@ thread); rounds alternate the arms' order (A B, B A, ...). A step is timed from 
 sampling to the end of its refresh_sampler (train.py's last call in a step): CPU seconds of the
 process (time.process_time) and wall seconds; the sampling alone too.
 
-    OMP_NUM_THREADS=1 python studies/one-loop-cpu/bench.py --rounds 4 --steps 2 > studies/one-loop-cpu/output.txt
+    OMP_NUM_THREADS=1 python studies/one-loop-cpu/bench.py --rounds 4 --steps 2 \
+        > studies/one-loop-cpu/output.txt
 """
 import argparse
 import json
@@ -69,7 +70,8 @@ if args.arm is not None:
 commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
                         capture_output=True, text=True).stdout.strip()
 print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, tree at {commit or '(copy)'}, "
-      f"{args.rounds} rounds x {args.steps} steps, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
+      f"{args.rounds} rounds x {args.steps} steps, "
+      f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
       f"machine shared with other jobs", flush=True)
 totals = {arm: [] for arm in ARMS}
 for round_ in range(args.rounds):

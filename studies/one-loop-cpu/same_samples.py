@@ -4,7 +4,8 @@ a CPU: tokens, log-probs and response masks compared bit for bit (torch.equal), 
 temperatures, top-p values and prompt sets (arith's training prompts x 4, and a mixed set of 6
 prompts of different lengths, one a duplicate).
 
-    OMP_NUM_THREADS=1 python studies/one-loop-cpu/same_samples.py > studies/one-loop-cpu/same-samples.txt
+    OMP_NUM_THREADS=1 python studies/one-loop-cpu/same_samples.py \
+        > studies/one-loop-cpu/same-samples.txt
     (--record FILE saves the before side's samples; --against FILE compares with a saved record)
 """
 import argparse
@@ -21,7 +22,8 @@ from systems.model import load_model, load_tokenizer, stop_token_ids  # noqa: E4
 from rollout_at import rollout_at  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-parser.add_argument("--before", default="e65e46a", help="the commit whose static loop is the reference")
+parser.add_argument("--before", default="e65e46a",
+                    help="the commit whose static loop is the reference")
 parser.add_argument("--record", default=None, help="only save the before side's samples here")
 parser.add_argument("--against", default=None, help="compare with samples saved by --record")
 args = parser.parse_args()
@@ -66,11 +68,11 @@ if args.record is not None:
     sys.exit()
 import rollout  # noqa: E402
 
-# the reader's step (rollout.decode_step), and the GPU's (systems/cuda_decode.fast_step) run eagerly
+# the reader's step (rollout.decode_step), and the GPU's (systems/cuda_decode.fast) run eagerly
 # on this CPU: the same forward in fewer kernels, and inverse_cdf by blocks as the before side's
 for fast in (False, True):
     after = run(rollout, "static" in inspect.signature(rollout.generate).parameters, fast=fast)
-    print(f"# {'cuda_decode.fast_step (eager, on the CPU)' if fast else 'rollout.decode_step'}")
+    print(f"# {'cuda_decode.fast (eager, on the CPU)' if fast else 'rollout.decode_step'}")
     for name in before:
         same = [torch.equal(b, a) for b, a in zip(before[name], after[name])]
         rows, width = before[name][0].shape

@@ -17,8 +17,9 @@ How: we reuse the Hugging Face model's modules and weights (Llama, Qwen2 and Qwe
 write only the attention over a preallocated cache. Prefill runs each distinct prompt once (the
 trainer passes each prompt G times); then one decode loop runs every row every step, a finished
 row writing padding (gpt-fast's and nanochat's fixed shape: nothing in a step waits for the host).
-On CUDA the same forward and step run through systems/cuda_decode.py (CUDA graphs, torch.compile,
-fused projections, flash-attn), swapped in at one call site in decode_rows.
+At one call site (decode_rows) a device's speed machinery takes over, the same samples up to float
+rounding: on CUDA systems/cuda_decode.py (CUDA graphs, torch.compile, fused projections,
+flash-attn), on a CPU systems/compaction.py (finished rows leave the batch).
 """
 import math
 from dataclasses import dataclass
@@ -290,8 +291,9 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_tok
     (then exactly max_new_tokens tokens per row). `generator`: a torch.Generator on the model's
     device. `max_rows`: decode at most this many rows at a time (their KV cache is what takes the
     memory: kv_bytes); every row still draws the uniforms of its own index, so the samples are
-    those of one call, up to float rounding. `fast`: prefill and decode through systems/cuda_decode.py
-    (None: on CUDA, or where `compiled`); `compiled`, `cuda_graphs`: its options (cuda_decode.fast)."""
+    those of one call, up to float rounding. `fast`: decode through systems/cuda_decode.py (True),
+    rollout's own loop (False), or the device's (None): cuda_decode on CUDA or where `compiled` (its
+    options, with `cuda_graphs`), systems/compaction.py on a CPU."""
     check_model(model)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
@@ -332,8 +334,13 @@ def decode_rows(model, prompts, uniforms, eos, temperature, top_p, options, toke
     """Prefill `prompts` and decode them to the end, writing each row's tokens, log-probs and
     response length into the (rows, T) / (rows,) outputs, in row order."""
     fast, compiled, cuda_graphs = options
+    gpu = fast or (fast is None and (next(model.parameters()).is_cuda or compiled))
+    if fast is None and not gpu:  # a CPU's speed machinery: finished rows leave the batch
+        from systems import compaction
+        return compaction.decode_rows(model, prompts, uniforms, eos, temperature, top_p,
+                                      tokens_out, logprobs_out, lengths)
     run_forward, step = forward, decode_step
-    if fast or (fast is None and (next(model.parameters()).is_cuda or compiled)):
+    if gpu:
         from systems import cuda_decode  # the same forward and step, made fast (a GPU's)
         run_forward, step = cuda_decode.fast(model, compiled, cuda_graphs)
     cache, logits, row_of_slot = prefilled(model, prompts, uniforms.shape[1], run_forward)

@@ -112,15 +112,17 @@ def test_the_same_samples_as_the_full_forward_pass(family, temperature, top_p):
     every token of rollout's is the one its uniform picks by inverse CDF from the model's own full
     forward pass (or a tie), cuda_decode's rows equal rollout's (or first differ at a tie), greedy
     rows equal Hugging Face's generate, and every log-prob equals the full forward pass's (1e-4, as
-    test_rollout.py's) and the other step's."""
+    test_rollout.py's) and the other step's; the compaction loop's rows (a CPU's default,
+    systems/compaction.py) equal rollout's too, or first differ at a tie."""
     model = lively(tiny_model(family))
 
     def run(fast, eos_token_id):
         return rollout.generate(model, MIXED, 16, temperature, top_p, eos_token_id=eos_token_id,
                                 generator=torch.Generator().manual_seed(0), fast=fast)
     eos = eos_for_mixed_lengths(run(False, None).response_ids)
-    # out[True]: rollout's own step; out[False]: cuda_decode's
+    # out[True]: rollout's own step; out[False]: cuda_decode's; compacted: a CPU's default
     out = {own: run(not own, eos) for own in (True, False)}
+    compacted = run(None, eos)
     uniforms = torch.rand(len(MIXED), 16, generator=torch.Generator().manual_seed(0),
                           dtype=torch.float64)  # generate's own draw
     assert len({len(row) for row in out[True].response_ids}) >= 3, "the test needs 3 lengths"
@@ -128,6 +130,8 @@ def test_the_same_samples_as_the_full_forward_pass(family, temperature, top_p):
         ours, today = out[True].response_ids[row], out[False].response_ids[row]
         assert_differs_at_a_tie(model, prompt, ours, today, temperature, top_p, uniforms[row])
         assert_drawn_by_its_uniforms(model, prompt, ours, temperature, top_p, uniforms[row])
+        assert_differs_at_a_tie(model, prompt, ours, compacted.response_ids[row], temperature,
+                                top_p, uniforms[row])
         if temperature == 0:
             hf = hf_greedy(model, prompt, 16, eos_token_id=eos)
             assert_differs_at_a_tie(model, prompt, ours, hf, 0, 1, None)
@@ -143,6 +147,7 @@ def test_the_same_samples_as_the_full_forward_pass(family, temperature, top_p):
     for name in ("tokens", "token_logprobs", "response_mask"):  # padding after each row's end
         assert getattr(out[True], name).shape == getattr(out[False], name).shape
     assert torch.equal(out[True].response_mask, out[False].response_mask)
+    assert torch.equal(out[True].response_mask, compacted.response_mask)
 
 
 def assert_drawn_by_its_uniforms(model, prompt, ours, temperature, top_p, uniforms):
@@ -176,7 +181,7 @@ def test_a_row_depends_on_the_seed_and_its_index_only():
 
     def run(prompts, eos_token_id=None):
         return rollout.generate(model, prompts, 14, temperature=1.0, eos_token_id=eos_token_id,
-                                generator=torch.Generator().manual_seed(3))
+                                generator=torch.Generator().manual_seed(3), fast=False)
     assert run(PROMPTS[1:]).response_ids[0] == run(PROMPTS[1:2]).response_ids[0]
     free = run(PROMPTS * 3)
     eos = sorted(range(VOCAB), key=lambda t: -sum(t in row for row in free.response_ids))[:2]
@@ -186,7 +191,7 @@ def test_a_row_depends_on_the_seed_and_its_index_only():
 
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["rollout", "cuda_decode"])
+@pytest.mark.parametrize("fast", [False, True, None], ids=["rollout", "cuda_decode", "compaction"])
 def test_rows_in_chunks_are_the_samples_of_one_call(fast):
     """generate(max_rows=3, then 4) on 9 rows (chunks of 3, 3, 3, then 4, 4, 1), sampled with
     top-p 0.8 and EOS at mixed lengths: every row equals one call's (or first
@@ -268,7 +273,7 @@ def test_generate_asks_the_host_once_every_k_steps():
 
     def syncs(max_new_tokens):
         with AtenOps() as ops:
-            rollout.generate(model, MIXED, max_new_tokens, eos_token_id=[VOCAB - 1],
+            rollout.generate(model, MIXED, max_new_tokens, eos_token_id=[VOCAB - 1], fast=False,
                              generator=torch.Generator().manual_seed(0))
         return len(ops.syncs)
     k, base = rollout.ALL_DONE_EVERY, syncs(1)

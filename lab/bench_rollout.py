@@ -10,13 +10,14 @@ peak memory vs weights + one KV cache (each in a fresh subprocess; on CUDA the a
 on an H100 (`--budget`): `python -m lab.bench_rollout --decode --out decode.json`. For SmolLM2-135M
 (its own weights when installed) and random-weight models in the shapes of Qwen2.5-1.5B and
 Qwen2.5-7B, at batch 64 and 256, bf16: ms per decode step with EOS off, (t(N2) - t(N1)) / (N2 - N1)
-of whole generate calls, median of 3 repeats with the samplers alternating: ours graphed (the
-step of systems/cuda_decode.py replayed as a CUDA graph, with the projections fused as train.py's
-sampler has them: cuda_decode.fuse_projections), ours unfused (the same, a GEMM per projection),
-ours compiled (the same, the step compiled by torch.compile before the capture; SmolLM2 at batch 64
+of whole generate calls, median of 3 repeats with the samplers alternating: ours graphed (the step
+of systems/cuda_decode.py replayed as a CUDA graph, with the projections fused as train.py's sampler
+has them: cuda_decode.fuse_projections), ours unfused (the same, a GEMM per projection), ours
+compiled (the same, the step compiled by torch.compile before the capture; SmolLM2 at batch 64
 only), ours eager (the same step launched op by op), ours plain (rollout.py's own step, without
-cuda_decode: generate(fast=False), as on a CPU), model.generate eager and with
-its static cache + torch.compile (SmolLM2 at batch 64 only: a compile per shape); beside each, the
+cuda_decode: generate(fast=False)), ours compaction (a CPU's default: systems/compaction.py; CPU
+only), model.generate eager and with its static cache + torch.compile (SmolLM2 at batch 64 only: a
+compile per shape); beside each, the
 HBM floor, (weights + live KV bytes read per step) / the card's measured read bandwidth, and the
 fraction of it reached. Then useful tokens/s, greedy, EOS on, SmolLM2 (the same work for every
 sampler); and the fixed-shape loop under torch.cuda.set_sync_debug_mode("error"). `--profile
@@ -76,7 +77,7 @@ decode.add_argument("--ours-compiled", nargs="*", default=["smollm2-135m:64"],
                          "capture (cuda_decode.compiled_step; CUDA only; a compile a shape)")
 decode.add_argument("--samplers", nargs="+", metavar="NAME",
                     choices=("ours graphed", "ours unfused", "ours compiled", "ours eager",
-                             "ours plain",
+                             "ours plain", "ours compaction",
                              "hf eager", "hf static+compile"),
                     help="the ms-per-step part times only these (default: every sampler that "
                          "runs here); for a short GPU slot's rerun")
@@ -339,6 +340,8 @@ def decode_samplers(model, name, prompts, eos=None, temperature=1.0, compiled=Fa
         runs["ours unfused"] = ours(True, fused=False)  # the same, a GEMM per projection
     if cuda and ours_compiled:
         runs["ours compiled"] = ours(True, compiled_step=True)
+    if not cuda:  # a CPU's default loop (systems/compaction.py)
+        runs["ours compaction"] = ours(None)
     runs |= {"ours eager": ours(True, graphs=False), "ours plain": ours(False),
              "hf eager": hf()}
     if cuda and compiled:

@@ -40,7 +40,7 @@ def decode_rows(model, prompts, uniforms, eos, temperature, top_p, tokens_out, l
         # the live rows' slots: a view, so decode writes into `cache`
         n = len(tokens)
         live = rollout.KVCache(cache.k[:, :n], cache.v[:, :n], cache.seqlens[:n])
-        logits = rollout.decode(model, tokens, live, span=int(live.seqlens.max()) + 1)
+        logits = rollout.decode(model, tokens, live, int(live.seqlens.max()) + 1)  # the span
 
 
 def compact(cache, done, span):

@@ -29,8 +29,8 @@ Sharding: the (problem, sample) pairs are laid out in a fixed order and cut into
 `batch_size` sequences; batch b is sampled with its own generator seeded from (seed, b) and runs on
 rank b % world_size. One process and torchrun with any number of ranks thus run the very same
 generate calls and return the same completions and numbers (which do depend on seed and batch_size).
-On a GPU the model's q/k/v and gate/up weights are joined (rollout.fuse_projections), as train.py's
-sampler has them: one GEMM each a decode step.
+On a GPU the model's q/k/v and gate/up weights are joined (cuda_decode.fuse_projections), as
+train.py's sampler has them: one GEMM each a decode step.
 
     python eval.py --model runs/a/final --tasks math500,mmlu-college-physics --samples 32 \
         --out runs/a
@@ -52,7 +52,8 @@ import data
 from systems import runtime
 from reward import extract_boxed
 from systems.model import load_model, load_tokenizer, stop_token_ids
-from rollout import flash_choice, fuse_projections, generate
+from rollout import generate
+from systems.cuda_decode import flash_choice, fuse_projections
 
 parser = argparse.ArgumentParser(description="mean@k evaluation of a model on verifiable tasks")
 parser.add_argument("--model", required=True,

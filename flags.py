@@ -82,8 +82,8 @@ group.add_argument("--top-p", type=float, default=1.0,
                         "are under")
 group.add_argument("--compile-sampler", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the fixed-shape decode step (CUDA's loop) with torch.compile, "
-                        "Inductor fusing each layer's small kernels (rollout.compiled_step; about "
-                        "2 minutes at the first step at 7B); default: on the devices "
+                        "Inductor fusing each layer's small kernels (cuda_decode.compiled_step; "
+                        "about 2 minutes at the first step at 7B); default: on the devices "
                         "runtime.COMPILED_SAMPLER_ON names (none until a GPU has timed it)")
 group.add_argument("--generate-rows", type=int, default=0,
                    help="rows one generate call decodes at a time, sampling and --eval-every's "

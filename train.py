@@ -65,7 +65,7 @@ import kl
 import logprobs
 import rollout
 from flags import ADVANTAGES, check_flags, parser  # train.parser, train.check_flags: lab/, tests/
-from systems import checkpoint, report, runtime
+from systems import checkpoint, cuda_decode, report, runtime
 from systems.hub import HubUnreachable
 from systems.metrics import importance_weights, step_metrics
 from systems.model import load_model, load_tokenizer, stop_token_ids
@@ -116,7 +116,7 @@ def main(argv=None):
            + (f", resuming {resume_from}" if resume_from else
               ", no checkpoint to resume" if args.resume else ""))
     if device.type == "cuda":  # what the sampler will attend with, by the rule it follows
-        print0(rollout.flash_choice(device, dtype)[1])
+        print0(cuda_decode.flash_choice(device, dtype)[1])
 
     G, prompts_per_rank, bad_in_a_row = args.group_size, args.prompts_per_step // world_size, 0
     steps = range(start_step + 1, args.steps + 1)

@@ -150,8 +150,8 @@ def decode_feeds(config, seed, prompts, new):
     shapes, calls, real_decode = [], [], rollout.decode
     hook = model.model.embed_tokens.register_forward_hook(
         lambda module, args, output: shapes.append(list(args[0].shape)))
-    rollout.decode = lambda m, tokens, cache: (calls.append(len(tokens)),
-                                               real_decode(m, tokens, cache))[1]
+    rollout.decode = lambda m, tokens, *rest: (calls.append(len(tokens)),
+                                               real_decode(m, tokens, *rest))[1]
     try:
         rollout.generate(model, prompts, new, temperature=0.0)
     finally:

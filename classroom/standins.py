@@ -67,8 +67,9 @@ def sampling_distribution(logits, temperature, top_p):
     return out / out.sum(-1, keepdim=True)
 
 
-def sample(logits, temperature, top_p, uniform):
-    """rollout.sample: inverse CDF over the sampled distribution; greedy at temperature 0."""
+def sample(logits, temperature, top_p, uniform, draw=None):
+    """rollout.sample: inverse CDF over the sampled distribution; greedy at temperature 0 (`draw`,
+    a GPU's inverse CDF, is not needed: this one's is float64 throughout)."""
     if not temperature > 0:  # a point mass, log-prob 0
         return logits.max(-1).indices, logits.new_zeros(logits.shape[0])
     probs = sampling_distribution(logits, temperature, top_p)

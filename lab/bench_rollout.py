@@ -10,12 +10,14 @@ peak memory vs weights + one KV cache (each in a fresh subprocess; on CUDA the a
 on an H100 (`--budget`): `python -m lab.bench_rollout --decode --out decode.json`. For SmolLM2-135M
 (its own weights when installed) and random-weight models in the shapes of Qwen2.5-1.5B and
 Qwen2.5-7B, at batch 64 and 256, bf16: ms per decode step with EOS off, (t(N2) - t(N1)) / (N2 - N1)
-of whole generate calls, median of 3 repeats with the samplers alternating: ours graphed (the
-fixed-shape step replayed as a CUDA graph, with the projections fused as train.py's sampler has
-them: rollout.fuse_projections), ours unfused (the same, a GEMM per projection), ours compiled (the
-same, the step compiled by torch.compile before the capture; SmolLM2 at batch 64 only), ours eager
-(the same step launched op by op), ours compaction (the CPU's loop), model.generate eager and with
-its static cache + torch.compile (SmolLM2 at batch 64 only: a compile per shape); beside each, the
+of whole generate calls, median of 3 repeats with the samplers alternating: ours graphed (the step
+of systems/cuda_decode.py replayed as a CUDA graph, with the projections fused as train.py's sampler
+has them: cuda_decode.fuse_projections), ours unfused (the same, a GEMM per projection), ours
+compiled (the same, the step compiled by torch.compile before the capture; SmolLM2 at batch 64
+only), ours eager (the same step launched op by op), ours plain (rollout.py's own step, without
+cuda_decode: generate(fast=False)), ours compaction (a CPU's default: systems/compaction.py; CPU
+only), model.generate eager and with its static cache + torch.compile (SmolLM2 at batch 64 only: a
+compile per shape); beside each, the
 HBM floor, (weights + live KV bytes read per step) / the card's measured read bandwidth, and the
 fraction of it reached. Then useful tokens/s, greedy, EOS on, SmolLM2 (the same work for every
 sampler); and the fixed-shape loop under torch.cuda.set_sync_debug_mode("error"). `--profile
@@ -72,10 +74,10 @@ decode.add_argument("--hf-compiled", nargs="*", default=["smollm2-135m:64"], met
 decode.add_argument("--ours-compiled", nargs="*", default=["smollm2-135m:64"],
                     metavar="MODEL:BATCH",
                     help="where ours also runs with its step compiled by torch.compile before the "
-                         "capture (rollout.compiled_step; CUDA only; a compile a shape)")
+                         "capture (cuda_decode.compiled_step; CUDA only; a compile a shape)")
 decode.add_argument("--samplers", nargs="+", metavar="NAME",
                     choices=("ours graphed", "ours unfused", "ours compiled", "ours eager",
-                             "ours compaction",
+                             "ours plain", "ours compaction",
                              "hf eager", "hf static+compile"),
                     help="the ms-per-step part times only these (default: every sampler that "
                          "runs here); for a short GPU slot's rerun")
@@ -92,7 +94,8 @@ import torch  # noqa: E402  (after argparse so --help is instant)
 import data  # noqa: E402
 from systems.model import load_model, load_tokenizer  # noqa: E402
 from systems import runtime  # noqa: E402
-from rollout import flash_choice, fuse_projections, generate  # noqa: E402
+from rollout import generate  # noqa: E402
+from systems.cuda_decode import flash_choice, fuse_projections  # noqa: E402
 from lab.bench_train import SHAPES as QWEN_SHAPES  # noqa: E402
 
 if args.threads:
@@ -309,13 +312,13 @@ def decode_samplers(model, name, prompts, eos=None, temperature=1.0, compiled=Fa
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=DEVICE)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=DEVICE)
 
-    def ours(static, graphs=True, compiled_step=False, fused=True):
+    def ours(fast, graphs=True, compiled_step=False, fused=True):
         def run(n, seed):
             saved = [] if fused else [(module, vars(module).pop("fused")) for module
                                       in model.modules() if "fused" in vars(module)]
             try:
                 return generate(model, prompts, n, temperature=temperature, eos_token_id=eos,
-                                static=static, cuda_graphs=graphs, compiled=compiled_step,
+                                fast=fast, cuda_graphs=graphs, compiled=compiled_step,
                                 generator=torch.Generator(DEVICE).manual_seed(seed))
             finally:
                 for module, weights in saved:  # fused again
@@ -337,7 +340,9 @@ def decode_samplers(model, name, prompts, eos=None, temperature=1.0, compiled=Fa
         runs["ours unfused"] = ours(True, fused=False)  # the same, a GEMM per projection
     if cuda and ours_compiled:
         runs["ours compiled"] = ours(True, compiled_step=True)
-    runs |= {"ours eager": ours(True, graphs=False), "ours compaction": ours(False),
+    if not cuda:  # a CPU's default loop (systems/compaction.py)
+        runs["ours compaction"] = ours(None)
+    runs |= {"ours eager": ours(True, graphs=False), "ours plain": ours(False),
              "hf eager": hf()}
     if cuda and compiled:
         runs["hf static+compile"] = hf(cache_implementation="static")
@@ -482,10 +487,11 @@ def eos_part(name, rows, max_new_tokens, dtype, report, write):
 
 
 def sync_part(name, rows, dtype):
-    """The fixed-shape loop with EOS off (no "all done?" to ask): on CUDA under
-    torch.cuda.set_sync_debug_mode("error"), graphed and eager; on a CPU, the host syncs a
+    """The decode loop through cuda_decode's step with EOS off (no "all done?" to ask): on CUDA
+    under torch.cuda.set_sync_debug_mode("error"), graphed and eager; on a CPU, the host syncs a
     TorchDispatchMode counts (scalar reads, nonzero, boolean-mask indexing)."""
     import rollout
+    from systems import cuda_decode
 
     model, _ = decode_model(name, dtype)
     prompts = [[5 + row, 6, 7, 8] for row in range(rows)]
@@ -499,7 +505,8 @@ def sync_part(name, rows, dtype):
             sync()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                rollout.static_decode(model, cache, logits, state, cuda_graphs=graphs)
+                rollout.decode_loop(model, cache, logits, state,
+                                    cuda_decode.fast(model, cuda_graphs=graphs)[1])
                 result[key] = "no sync"
             except RuntimeError as error:
                 result[key] = f"FAILED: {str(error).splitlines()[0]}"
@@ -521,7 +528,8 @@ def sync_part(name, rows, dtype):
             syncs = Syncs()
             syncs.found = []
             with syncs:
-                rollout.static_decode(model, cache, logits, state, cuda_graphs=False)
+                rollout.decode_loop(model, cache, logits, state,
+                                    cuda_decode.fast(model, cuda_graphs=False)[1])
             result[key] = (f"{len(syncs.found)} host syncs counted"
                            + (f": {sorted(set(syncs.found))}" if syncs.found else ""))
     ok = all(value in ("no sync", "0 host syncs counted") for value in result.values())
@@ -653,7 +661,7 @@ print(f"SmolLM2-135M-Instruct, {args.prompts} MATH500 prompts x {args.samples} s
       f"= batch {len(batch)}, prompt lengths {min(map(len, prompts))}-{max(map(len, prompts))}, "
       f"threads {torch.get_num_threads()}, device "
       f"{torch.cuda.get_device_name() if DEVICE.type == 'cuda' else 'cpu'}")
-if DEVICE.type == "cuda":  # which attention ours decodes with (rollout.flash_choice)
+if DEVICE.type == "cuda":  # which attention ours decodes with (cuda_decode.flash_choice)
     print(f"bf16: {flash_choice(DEVICE, torch.bfloat16)[1]}")
 with open("/proc/loadavg") as f:
     print(f"load average at start: {f.read().split()[:3]}")

@@ -11,7 +11,7 @@ Parts, each PASS, FAIL (with why) or SKIP (with why); the report is rewritten af
 part that hangs still leaves the others':
 - machine: GPUs, compute capability, versions, and what the rules decide here: --dtype auto (bf16
   only where the GPU computes it natively) and the attention the sampler uses
-  (rollout.flash_choice, the line train.py prints).
+  (cuda_decode.flash_choice, the line train.py prints).
 - pytest: `pytest -m gpu -q tests/test_gpu.py`.
 - sampler: SmolLM2-135M-Instruct in bf16 on cuda:0, 8 arith prompts, greedy, EOS on. (a) Logits
   on the same tokens (Hugging Face's greedy tokens fed to our prefill and decode, flash and SDPA,
@@ -81,7 +81,7 @@ def machine_part(device):
     import torch
     import transformers
 
-    import rollout
+    from systems import cuda_decode
     from systems import runtime
 
     lines = [f"python {platform.python_version()}, torch {torch.__version__} "
@@ -94,19 +94,19 @@ def machine_part(device):
                          f"{major}.{minor}, {memory:.0f} GiB")
     else:
         lines.append("no CUDA GPU: --allow-cpu")
-    flash_attn = rollout.flash_attn_status()[1]
-    if rollout.flash_attn_status()[0]:
+    flash_attn = cuda_decode.flash_attn_status()[1]
+    if cuda_decode.flash_attn_status()[0]:
         import flash_attn as module
 
         flash_attn += f" (flash-attn {module.__version__})"
     auto = runtime.compute_dtype("auto", device)
     lines += [f"flash-attn: {flash_attn}",
               f"--dtype auto: {str(auto).removeprefix('torch.')}",
-              f"attention in bf16: {rollout.flash_choice(device, torch.bfloat16)[1]}",
-              f"attention in fp32: {rollout.flash_choice(device, torch.float32)[1]}"]
+              f"attention in bf16: {cuda_decode.flash_choice(device, torch.bfloat16)[1]}",
+              f"attention in fp32: {cuda_decode.flash_choice(device, torch.float32)[1]}"]
     names = ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
     summary = f"{names or 'CPU'}; auto = {str(auto).removeprefix('torch.')}; " + (
-        "flash" if rollout.flash_choice(device, torch.bfloat16)[0] else "SDPA") + " in bf16"
+        "flash" if cuda_decode.flash_choice(device, torch.bfloat16)[0] else "SDPA") + " in bf16"
     return "INFO", summary, "\n".join(f"- {line}" for line in lines)
 
 
@@ -125,6 +125,7 @@ def sampler_part(work, device, model_name, task):
 
     import data
     import rollout
+    from systems import cuda_decode
     from systems.model import load_model, load_tokenizer, stop_token_ids
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -136,17 +137,17 @@ def sampler_part(work, device, model_name, task):
     prompts = [data.prompt_ids(tokenizer, example)
                for example in data.load_task(task, split="test")[:8]]
     prompts.sort(key=len, reverse=True)
-    paths = {"flash": rollout.flash_choice(device, torch.bfloat16), "SDPA": (True, "")}
+    paths = {"flash": cuda_decode.flash_choice(device, torch.bfloat16), "SDPA": (True, "")}
     paths = {name: use for name, (use, _) in paths.items()}
-    choose = rollout.flash_choice
+    choose = cuda_decode.flash_choice
 
     def with_attention(name, fn, *args, **kwargs):
         """fn under the flash branch (name 'flash') or the SDPA one."""
-        rollout.flash_choice = lambda device, dtype: (name == "flash", name)
+        cuda_decode.flash_choice = lambda device, dtype: (name == "flash", name)
         try:
             return fn(*args, **kwargs)
         finally:
-            rollout.flash_choice = choose
+            cuda_decode.flash_choice = choose
 
     # Hugging Face's greedy tokens, one prompt at a time (no padding)
     hf = []
@@ -175,12 +176,13 @@ def sampler_part(work, device, model_name, task):
                  config.num_key_value_heads, head_dim)
         cache = rollout.KVCache(torch.zeros(shape, dtype=torch.bfloat16, device=device),
                                 torch.zeros(shape, dtype=torch.bfloat16, device=device),
-                                torch.zeros(len(prompts), dtype=torch.int32, device=device), flash)
+                                torch.zeros(len(prompts), dtype=torch.int32, device=device))
         with torch.no_grad():
-            logits = [rollout.prefill(model, prompts, cache)]
+            logits = [rollout.prefill(model, prompts, cache)]  # SDPA, as generate's
             for t in range(steps - 1):
                 fed = torch.tensor([r[min(t, len(r) - 1)] for r in responses], device=device)
-                logits.append(rollout.decode(model, fed, cache))
+                # the GPU's decode step (SDPA over every slot, or flash over each row's own)
+                logits.append(cuda_decode.decode(model, fed, cache, shape[2], flash))
         logits = torch.stack(logits, 1)
         return [logits[row, :len(r)] for row, r in enumerate(responses)]
 
@@ -263,7 +265,7 @@ def sampler_part(work, device, model_name, task):
     lines += [f"    {name}: {rate:.0f}" for name, rate in rates.items()]
     summary = ", ".join(f"{name} logit error {value:.3f}" for name, value in errors.items())
     if not paths["flash"]:
-        summary += f"; flash not checked: {rollout.flash_choice(device, torch.bfloat16)[1]}"
+        summary += f"; flash not checked: {cuda_decode.flash_choice(device, torch.bfloat16)[1]}"
     (work / "sampler.log").write_text("\n".join(lines) + "\n")
     detail = block("\n".join(lines)) + "".join(f"\n- FAIL: {f}" for f in failures)
     return ("FAIL" if failures else "PASS"), summary + "".join(f"; {f}" for f in failures), detail
@@ -304,10 +306,10 @@ def describe(out):
 def train_part(work, device, model, task):
     import torch
 
-    import rollout
+    from systems import cuda_decode
 
     out = work / "train"
-    expect = rollout.flash_choice(device, torch.bfloat16)[1] if device.type == "cuda" else None
+    expect = cuda_decode.flash_choice(device, torch.bfloat16)[1] if device.type == "cuda" else None
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
                *train_flags(model, task, out, "--dtype", "bfloat16", "--steps", "3")]
     start = time.perf_counter()
@@ -317,7 +319,7 @@ def train_part(work, device, model, task):
     detail = f"`torchrun {' '.join(command[3:])}`: exit {code}, {seconds:.0f} s\n\n"
     detail += block(describe(out) if code == 0 else tail(output, 40))
     summary = "; ".join(problems) if problems else f"3 steps in {seconds:.0f} s, " + (
-        "flash" if rollout.flash_choice(device, torch.bfloat16)[0] else "SDPA")
+        "flash" if cuda_decode.flash_choice(device, torch.bfloat16)[0] else "SDPA")
     return ("FAIL" if problems else "PASS"), summary, detail
 
 

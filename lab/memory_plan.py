@@ -37,8 +37,8 @@ Each transient (a prefill bucket, a decode step, the two passes) is traced from 
 logprobs.token_logprobs' own code on fake tensors (FakeTensorMode: shapes, no data), counting the
 bytes of every storage alive after each op: the micro-batch is the largest that micro_batch_sizes
 makes of the longest prompts with responses at full length (on CUDA the sampler's norms as their
-fused kernel allocates: rollout.rms_norm). A CUDA kernel's own workspace is not an op and is not in
-the trace (docs/gpu.md compares the trace with the peaks an H200 measured); on CUDA, cuBLAS's
+fused kernel allocates: cuda_decode.rms_norm). A CUDA kernel's own workspace is not an op and is not
+in the trace (docs/gpu.md compares the trace with the peaks an H200 measured); on CUDA, cuBLAS's
 workspaces are resident: one for each thread and stream that runs a GEMM, kept to the end.
 Host memory per node: each rank builds the fp32 model on its host (policy, then reference, one at a
 time) before moving or sharding it.
@@ -70,6 +70,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import logprobs  # noqa: E402
 import rollout  # noqa: E402
+from systems import cuda_decode  # noqa: E402
 from systems import runtime  # noqa: E402
 from systems import split_matmul  # noqa: E402
 import train  # noqa: E402
@@ -234,7 +235,7 @@ def cuda_gemm():
 
 @contextlib.contextmanager
 def cuda_rms_norm():
-    """F.rms_norm as CUDA allocates it (aten._fused_rms_norm, one kernel: rollout.rms_norm): its
+    """F.rms_norm as CUDA allocates it (aten._fused_rms_norm, one kernel: cuda_decode.rms_norm): its
     output in x's dtype; a CPU's composite makes fp32 copies of x first."""
     rms_norm = torch.nn.functional.rms_norm
     torch.nn.functional.rms_norm = lambda x, *args, **kwargs: torch.empty_like(x)
@@ -253,34 +254,37 @@ def traced(run):
 
 
 def traced_sampling(config, dtype, rows, distinct, prompt_tokens, max_new_tokens, fused, cuda):
-    """(prefill bucket, decode step) transient peaks, bytes: rollout.forward over one prefill bucket
-    of the call's `distinct` prompts (its next-token logits included), and rollout.static_step (the
-    fixed-shape step over all `rows` at the longest span, sampling included), beside a KV cache of
-    `rows` x (prompt_tokens + max_new_tokens) slots that is not counted here; `fused`: the
-    projections fused, as runtime.make_sampler's copy has them; `cuda`: the norms as CUDA's fused
-    kernel allocates them."""
+    """(prefill bucket, decode step) transient peaks, bytes: the forward over one prefill bucket
+    of the call's `distinct` prompts (its next-token logits included), and a decode step (over all
+    `rows` at the longest span, sampling included), both on `cuda` as CUDA runs them
+    (cuda_decode's forward and static_step), else rollout's own, beside a KV cache of `rows` x (prompt_tokens +
+    max_new_tokens) slots that is not counted here; `fused`: the projections fused, as
+    runtime.make_sampler's copy has them; `cuda`: the norms as CUDA's fused kernel allocates
+    them."""
     norms = cuda_rms_norm() if cuda else contextlib.nullcontext()
     with FakeTensorMode(allow_non_fake_inputs=True), norms:
         model = fake_model(config, dtype)
         if fused:
-            rollout.fuse_projections(model)
+            cuda_decode.fuse_projections(model)
         slots = prompt_tokens + max_new_tokens
         shape = rollout.cache_shape(model, rows, slots)
         cache = rollout.KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype),
-                                torch.zeros(rows, dtype=torch.int32), flash=False)
+                                torch.zeros(rows, dtype=torch.int32))
         bucket = -(-distinct // rollout.BUCKETS)  # rollout.prefill's buckets
         ids = torch.zeros(bucket, prompt_tokens, dtype=torch.long)
 
         def prefill():
             view = rollout.KVCache(cache.k[:, :bucket], cache.v[:, :bucket],
-                                   cache.seqlens[:bucket].clone(), False)
-            hidden = rollout.forward(model, ids, view, span=prompt_tokens)
+                                   cache.seqlens[:bucket].clone())
+            # the forward CUDA runs (cuda_decode.fast), else rollout's own
+            forward = cuda_decode.forward if cuda else rollout.forward
+            hidden = forward(model, ids, view, span=prompt_tokens)
             model.lm_head(hidden[:, -1]).float()
 
         state = rollout.new_decoding(torch.zeros(rows, max_new_tokens, dtype=torch.float64),
                                      torch.tensor([0]), 1.0, 1.0)
-        return (traced(prefill),
-                traced(lambda: rollout.static_step(model, cache, state, span=slots)))
+        step = cuda_decode.static_step if cuda else rollout.decode_step
+        return traced(prefill), traced(lambda: step(model, cache, state, span=slots))
 
 
 def traced_passes(config, prompts, max_new_tokens, dtype, checkpointing,
@@ -348,7 +352,7 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
     if device == "cuda":
         # cuBLAS's workspace for each (thread, stream) that has run a GEMM, in PyTorch's allocator
         # until the process ends: the main thread's stream, autograd's backward thread and the
-        # sampler's capture stream (rollout.capture_stream)
+        # sampler's capture stream (cuda_decode.capture_stream)
         resident["cuBLAS's workspaces, 3 streams"] = 3 * CUBLAS_WORKSPACE
     sampler = size * params if fsdp or size != 4 else 0
     kv_row = 2 * math.prod(rollout.cache_shape(meta, 1, slots)) * size  # rollout.kv_bytes, K and V

@@ -26,8 +26,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import rollout
-from systems import split_matmul
+from systems import cuda_decode, split_matmul
 
 try:  # glibc, for return_freed_memory
     _libc = ctypes.CDLL("libc.so.6")
@@ -72,15 +71,16 @@ CUDA_LOGPROB_DTYPE = "bf16x6"
 BF16X6_PAYS_ON = {(8, 0), (9, 0), (10, 0), (10, 3)}
 
 
-# where the sampler's own copy fuses its q/k/v and gate/up projections (rollout.fuse_projections): a
-# GPU, where k_proj's and v_proj's GEMMs ran at a tenth of the card's bandwidth (the rule that keeps
-# it is registered in docs/benchmarks.md); not a CPU, where fused was no faster (studies/fused-cpu)
+# where the sampler's own copy fuses its q/k/v and gate/up projections
+# (cuda_decode.fuse_projections): a GPU, where k_proj's and v_proj's GEMMs ran at a tenth of the
+# card's bandwidth (the rule that keeps it is registered in docs/benchmarks.md); not a CPU, where
+# fused was no faster (studies/fused-cpu)
 FUSED_PROJECTIONS_ON = ("cuda",)
 
 
-# where train.py's sampler compiles its fixed-shape decode step unless --compile-sampler says
-# (rollout.compiled_step): nowhere until a GPU has timed it against the graphed step (the rule that
-# decides "cuda" is registered in docs/benchmarks.md); a CPU's compaction loop is never compiled
+# where train.py's sampler compiles its decode step unless --compile-sampler says
+# (cuda_decode.compiled_step): nowhere until a GPU has timed it against the graphed step (the rule
+# that decides "cuda" is registered in docs/benchmarks.md)
 COMPILED_SAMPLER_ON = ()
 
 
@@ -261,8 +261,8 @@ def make_sampler(policy, device, dtype, fsdp):
     made without a second fp32 copy (each weight is cast as it is copied). Buffers keep their dtype:
     the rotary frequencies rounded to bf16 would turn every position's angle (a 0.2% error in a
     frequency is 0.3 radians at position 200). In fp32, without FSDP, the policy itself is the
-    sampler. On a GPU the copy's q/k/v and gate/up weights are fused (rollout.fuse_projections: 4
-    GEMMs a layer, not 7; FUSED_PROJECTIONS_ON); the policy's, which the optimizer updates,
+    sampler. On a GPU the copy's q/k/v and gate/up weights are fused (cuda_decode.fuse_projections:
+    4 GEMMs a layer, not 7; FUSED_PROJECTIONS_ON); the policy's, which the optimizer updates,
     never."""
     if dtype == torch.float32 and not fsdp:
         return policy.to(device)
@@ -270,7 +270,7 @@ def make_sampler(policy, device, dtype, fsdp):
             for p in policy.parameters()}  # deepcopy takes these for the weights, copies the rest
     sampler = copy.deepcopy(policy, memo).to(device).eval()
     if device.type in FUSED_PROJECTIONS_ON:
-        rollout.fuse_projections(sampler)
+        cuda_decode.fuse_projections(sampler)
     return sampler
 
 
@@ -280,7 +280,7 @@ def release_sampler(sampler, policy):
     if sampler is not unwrap(policy):
         for param in sampler.parameters():
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-        rollout.unfuse_projections(sampler)  # the fused weights they were views of
+        cuda_decode.unfuse_projections(sampler)  # the fused weights they were views of
 
 
 @torch.no_grad()
@@ -290,10 +290,11 @@ def refresh_sampler(sampler, policy):
     if sampler is unwrap(policy):
         return
     weights = dict(unwrap(policy).named_parameters())
-    rollout.unfuse_projections(sampler)  # a layer's old fused weights go as its views are replaced
+    # a layer's old fused weights go as its views are replaced
+    cuda_decode.unfuse_projections(sampler)
     for name, param in sampler.named_parameters():
         weight = weights[name]
         weight = weight.full_tensor() if isinstance(weight, DTensor) else weight
         param.data = weight.detach().to(param.dtype, copy=True)
     if next(sampler.parameters()).device.type in FUSED_PROJECTIONS_ON:
-        rollout.fuse_projections(sampler)  # fused again from the new weights
+        cuda_decode.fuse_projections(sampler)  # fused again from the new weights

@@ -4,10 +4,10 @@ it runs and what --dtype auto means on a GPU.
 - The flash branch runs against tests/fixtures/flash_attn_standin, a pure-PyTorch stand-in of
   flash-attn's `flash_attn_with_kvcache` that follows its documented semantics and asserts its
   preconditions (its docstring says what it cannot prove: the kernel itself, its numerics, its
-  speed). The stand-in goes on sys.path, so rollout.flash_attn_status's real import probe finds
+  speed). The stand-in goes on sys.path, so cuda_decode.flash_attn_status's real import probe finds
   it; flash_choice's CUDA, dtype and compute-capability rules are waived (the branch "forced on").
-  Then prefill and decode equal the SDPA path on the same cache, and generate equals Hugging
-  Face's greedy output, for the Llama, Qwen2 and Qwen3 layouts of test_rollout.py.
+  Then prefill and decode equal the SDPA path on the same cache, and generate through cuda_decode
+  equals Hugging Face's greedy output, for the Llama, Qwen2 and Qwen3 layouts of test_rollout.py.
 - The rules run against torch.cuda's answers patched: one fake GPU of a given compute capability
   whose bf16 is native (8.0 and up) or emulated (7.0, 7.5), read through torch's own
   is_bf16_supported and get_device_capability.
@@ -17,6 +17,7 @@ it runs and what --dtype auto means on a GPU.
 The same checks on a real GPU: test_gpu.py, and gpu_check.py (docs/gpu.md).
 """
 import contextlib
+import functools
 import sys
 import types
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import rollout
-from systems import runtime
+from systems import cuda_decode, runtime
 from test_rollout import (FAMILIES, PROMPTS, assert_greedy_up_to_ties, cache_for,
                           eos_for_mixed_lengths, hf_greedy, lively, tiny_model)
 
@@ -41,9 +42,9 @@ def standin(monkeypatch):
     imported module; afterwards flash-attn is gone again."""
     monkeypatch.syspath_prepend(str(STANDIN))
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
-    rollout.flash_attn_status.cache_clear()
+    cuda_decode.flash_attn_status.cache_clear()
     try:
-        usable, reason = rollout.flash_attn_status()
+        usable, reason = cuda_decode.flash_attn_status()
         assert usable, reason
         module = sys.modules["flash_attn"]
         assert Path(module.__file__).is_relative_to(STANDIN)
@@ -51,14 +52,15 @@ def standin(monkeypatch):
         yield module
     finally:
         sys.modules.pop("flash_attn", None)
-        rollout.flash_attn_status.cache_clear()
+        cuda_decode.flash_attn_status.cache_clear()
 
 
 @pytest.fixture
 def forced_on(standin, monkeypatch):
     """The flash branch on this CPU: flash_choice's device, dtype and capability rules waived, its
     import probe kept."""
-    monkeypatch.setattr(rollout, "flash_choice", lambda device, dtype: rollout.flash_attn_status())
+    monkeypatch.setattr(cuda_decode, "flash_choice",
+                        lambda device, dtype: cuda_decode.flash_attn_status())
     return standin
 
 
@@ -91,13 +93,13 @@ TIE = dict(atol=1e-2, rtol=4e-2)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_flash_branch_equals_sdpa_on_the_same_cache(forced_on, monkeypatch, family, dtype):
     """Prefill 7 prompts of 1-19 tokens, then 6 decode steps that feed both paths the same tokens:
-    at every step the flash branch's logits equal the SDPA path's (fp32 to 1e-5, bf16 within its
-    rounding), and so do the two caches, slot for slot: flash's writes land in cache.k and
-    cache.v, at the slots the SDPA path writes."""
+    at every step the flash branch's logits (cuda_decode's forward) equal the SDPA path's (rollout's
+    own; fp32 to 1e-5, bf16 within its rounding), and so do the two caches, slot for slot:
+    flash's writes land in cache.k and cache.v, at the slots the SDPA path writes."""
     monkeypatch.setattr(forced_on, "ALLOW_FP32", dtype == torch.float32)
     tolerance = FP32 if dtype == torch.float32 else BF16
     model = tiny_model(family).to(dtype)
-    caches = {flash: cache_for(model, len(PREFILL_PROMPTS), 32, flash) for flash in (True, False)}
+    caches = {flash: cache_for(model, len(PREFILL_PROMPTS), 32) for flash in (True, False)}
 
     def check(logits):
         torch.testing.assert_close(logits[True], logits[False], **tolerance["logits"])
@@ -107,12 +109,14 @@ def test_flash_branch_equals_sdpa_on_the_same_cache(forced_on, monkeypatch, fami
             assert torch.equal(flash[0], sdpa[0])  # layer 1's keys and values: no attention yet
             torch.testing.assert_close(flash.float(), sdpa.float(), **tolerance["cache"])
 
-    logits = {flash: rollout.prefill(model, PREFILL_PROMPTS, cache)
-              for flash, cache in caches.items()}
+    flash_forward = functools.partial(cuda_decode.forward, flash=True)
+    logits = {True: rollout.prefill(model, PREFILL_PROMPTS, caches[True], flash_forward),
+              False: rollout.prefill(model, PREFILL_PROMPTS, caches[False])}
     check(logits)
     for _ in range(6):
         tokens = logits[False].argmax(-1)
-        logits = {flash: rollout.decode(model, tokens, cache) for flash, cache in caches.items()}
+        logits = {True: cuda_decode.decode(model, tokens, caches[True], None, flash=True),
+                  False: rollout.decode(model, tokens, caches[False], span=32)}
         check(logits)
     assert forced_on.calls > 0
 
@@ -151,21 +155,23 @@ def test_the_standin_refuses_what_the_kernel_refuses(standin, bad, message):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_flash_generate_equals_hf_greedy(forced_on, monkeypatch, family, dtype):
-    """generate through the flash branch, greedy, rows of 1-19 prompt tokens (one prompt twice),
-    EOS ending rows at different steps (finished rows leave the batch, the rest move into their
-    cache slots): in fp32 every row equals Hugging Face's greedy generate of its prompt alone; in
-    bf16 every token is the argmax of the model's own forward pass up to a bf16 tie."""
+    """generate through the flash branch (cuda_decode's step), greedy, rows of 1-19 prompt tokens
+    (one prompt twice), EOS ending rows at different steps: in fp32 every row equals Hugging Face's
+    greedy generate of its prompt alone; in bf16 every token is the argmax of the model's own
+    forward pass up to a bf16 tie."""
     monkeypatch.setattr(forced_on, "ALLOW_FP32", dtype == torch.float32)
     model = lively(tiny_model(family))
     free = [hf_greedy(model, prompt, 16) for prompt in PREFILL_PROMPTS]
     eos = eos_for_mixed_lengths(free)
     if dtype == torch.float32:
-        out = rollout.generate(model, PREFILL_PROMPTS, 16, temperature=0, eos_token_id=eos)
+        out = rollout.generate(model, PREFILL_PROMPTS, 16, temperature=0, eos_token_id=eos,
+                               fast=True)
         expected = [row[: row.index(eos) + 1] if eos in row else row for row in free]
         assert out.response_ids == expected
     else:
         model = model.to(dtype)
-        out = rollout.generate(model, PREFILL_PROMPTS, 16, temperature=0, eos_token_id=eos)
+        out = rollout.generate(model, PREFILL_PROMPTS, 16, temperature=0, eos_token_id=eos,
+                               fast=True)
         assert_greedy_up_to_ties(model, PREFILL_PROMPTS, out, **TIE)
     assert len({len(row) for row in out.response_ids}) >= 3, "the test needs rows of 3 lengths"
     assert forced_on.calls > 0
@@ -174,22 +180,22 @@ def test_flash_generate_equals_hf_greedy(forced_on, monkeypatch, family, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_flash_fixed_shape_loop_equals_hf_greedy(forced_on, monkeypatch, family, dtype):
-    """The fixed-shape loop (generate(static=True), CUDA's default) through the flash branch, as
-    above: the kernel reads each row's own cache_seqlens, and rows that have emitted EOS stay in
-    the batch and go on writing past their end, so the stand-in's bounds checks see every slot
-    written. fp32: every row equals Hugging Face's greedy generate, and a sampled run equals the
-    SDPA fixed-shape loop's; bf16, with the projections joined as train.py's bf16 sampler has them
-    (rollout.fuse_projections): every token an argmax up to a tie."""
+    """The decode loop through the flash branch (cuda_decode's step, as on CUDA), as above: the
+    kernel reads each row's own cache_seqlens, and rows that have emitted EOS stay in the batch and
+    go on writing past their end, so the stand-in's bounds checks see every slot written. fp32:
+    every row equals Hugging Face's greedy generate, and a sampled run equals the SDPA fixed-shape
+    loop's; bf16, with the projections joined as train.py's bf16 sampler has them
+    (cuda_decode.fuse_projections): every token an argmax up to a tie."""
     monkeypatch.setattr(forced_on, "ALLOW_FP32", dtype == torch.float32)
     model = lively(tiny_model(family))
     free = [hf_greedy(model, prompt, 16) for prompt in PREFILL_PROMPTS]
     eos = eos_for_mixed_lengths(free)
     if dtype == torch.bfloat16:
         model = model.to(dtype)
-        rollout.fuse_projections(model)
+        cuda_decode.fuse_projections(model)
     monkeypatch.setattr(forced_on, "calls", 0)
     out = rollout.generate(model, PREFILL_PROMPTS, 16, temperature=0, eos_token_id=eos,
-                           static=True)
+                           fast=True)
     calls = forced_on.calls
     if dtype == torch.float32:
         assert out.response_ids == [row[: row.index(eos) + 1] if eos in row else row
@@ -197,9 +203,9 @@ def test_flash_fixed_shape_loop_equals_hf_greedy(forced_on, monkeypatch, family,
 
         def sampled():
             return rollout.generate(model, PREFILL_PROMPTS, 12, temperature=1.0, eos_token_id=eos,
-                                    static=True, generator=torch.Generator().manual_seed(0))
+                                    fast=True, generator=torch.Generator().manual_seed(0))
         flash = sampled()
-        monkeypatch.setattr(rollout, "flash_choice", lambda device, dtype: (False, "SDPA"))
+        monkeypatch.setattr(cuda_decode, "flash_choice", lambda device, dtype: (False, "SDPA"))
         sdpa = sampled()
         assert flash.response_ids == sdpa.response_ids
         torch.testing.assert_close(flash.token_logprobs, sdpa.token_logprobs, atol=1e-5, rtol=0)
@@ -239,7 +245,7 @@ def test_flash_only_where_its_kernel_runs(standin, monkeypatch, major, minor, dt
     fp16/bf16 from compute capability 8.0 on, and says so; elsewhere it says SDPA and why, in the
     one line train.py and eval.py print."""
     fake_gpu(monkeypatch, major, minor)
-    choice, reason = rollout.flash_choice(CUDA, dtype)
+    choice, reason = cuda_decode.flash_choice(CUDA, dtype)
     assert choice is use and says in reason and "\n" not in reason
     assert ("PyTorch SDPA" in reason) is not use
 
@@ -247,15 +253,16 @@ def test_flash_only_where_its_kernel_runs(standin, monkeypatch, major, minor, dt
 def test_flash_nowhere_else(standin, monkeypatch):
     """Not on a CPU, even with flash-attn importable: generate runs on SDPA there (the stand-in is
     never called). Not where flash-attn is missing, on any GPU."""
-    choice, reason = rollout.flash_choice(torch.device("cpu"), torch.bfloat16)
+    choice, reason = cuda_decode.flash_choice(torch.device("cpu"), torch.bfloat16)
     assert not choice and "CUDA only" in reason
-    rollout.generate(tiny_model("qwen3").bfloat16(), PROMPTS, 4, temperature=0)
+    for fast in (False, True):
+        rollout.generate(tiny_model("qwen3").bfloat16(), PROMPTS, 4, temperature=0, fast=fast)
     assert standin.calls == 0
     fake_gpu(monkeypatch, 9, 0)
     sys.modules.pop("flash_attn")
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(STANDIN)])
-    rollout.flash_attn_status.cache_clear()
-    choice, reason = rollout.flash_choice(CUDA, torch.bfloat16)
+    cuda_decode.flash_attn_status.cache_clear()
+    choice, reason = cuda_decode.flash_choice(CUDA, torch.bfloat16)
     assert not choice and reason == "flash-attn is not installed: decoding with PyTorch SDPA"
 
 
@@ -376,7 +383,7 @@ def test_every_capture_warms_up_and_records_on_one_side_stream(monkeypatch):
     """cuBLAS keeps a workspace (32 MiB on a Hopper card) for each stream that has run a GEMM, in
     PyTorch's allocator until the process ends: a new side stream per capture held one more for
     each span the sampler captured. With torch.cuda's streams and graphs recorded: one side stream
-    for the process (rollout.capture_stream), and each capture's warm-up and recording on it.
+    for the process (cuda_decode.capture_stream), and each capture's warm-up and recording on it.
     test_gpu.py checks the memory itself."""
     streams, used, steps = [], [], []
 
@@ -403,23 +410,23 @@ def test_every_capture_warms_up_and_records_on_one_side_stream(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", on_stream)
     monkeypatch.setattr(torch.cuda, "graph", recording)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
-    rollout.capture_stream.cache_clear()
+    cuda_decode.capture_stream.cache_clear()
     try:
-        for span in (128, 256, 384):  # a new span, a new graph (static_decode)
-            rollout.capture(lambda span=span: steps.append(span), None,
-                            rollout.capture_stream(CUDA))
+        for span in (128, 256, 384):  # a new span, a new graph (cuda_decode.fast)
+            cuda_decode.capture(lambda span=span: steps.append(span), None,
+                            cuda_decode.capture_stream(CUDA))
     finally:
-        rollout.capture_stream.cache_clear()
+        cuda_decode.capture_stream.cache_clear()
     assert len(streams) == 1
     assert used == [("warm-up", streams[0]), ("record", streams[0])] * 3
     assert steps == [128, 128, 256, 256, 384, 384]  # run once on the stream, then recorded
 
 
 def test_the_fixed_shape_loop_captures_each_span_once_on_the_one_stream(monkeypatch):
-    """static_decode on a cache that says it is on CUDA, with capture recorded (it runs the step
-    once, as the real one's warm-up does, and its graph's replay runs the step): each span is
-    captured once, every capture gets the process's one side stream, and the replays give the
-    eager fixed-shape loop's tokens and log-probs."""
+    """The decode loop through cuda_decode.fast on a cache that says it is on CUDA, with
+    capture recorded (it runs the step once, as the real one's warm-up does, and its graph's replay
+    runs the step): each span is captured once, every capture gets the process's one side stream,
+    and the replays give the eager fixed-shape loop's tokens and log-probs."""
     model = lively(tiny_model("qwen2"))
     monkeypatch.setattr(rollout, "SPAN_BUCKET", 4)  # a new span every 4 steps
     prompts, steps = [[5, 6, 7], [8, 9]], 14
@@ -431,7 +438,8 @@ def test_the_fixed_shape_loop_captures_each_span_once_on_the_one_stream(monkeypa
         state = rollout.new_decoding(uniforms, torch.tensor([], dtype=torch.long), 1.0, 1.0)
         with monkeypatch.context() as cuda:
             cuda.setattr(torch.Tensor, "is_cuda", property(lambda tensor: True))
-            rollout.static_decode(model, cache, logits, state, cuda_graphs=cuda_graphs)
+            step = cuda_decode.fast(model, cuda_graphs=cuda_graphs)[1]
+            rollout.decode_loop(model, cache, logits, state, step)
         return state
 
     streams, captured = [], []
@@ -447,12 +455,12 @@ def test_the_fixed_shape_loop_captures_each_span_once_on_the_one_stream(monkeypa
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: streams.append(object())
                         or streams[-1])
-    monkeypatch.setattr(rollout, "capture", capture)
-    rollout.capture_stream.cache_clear()
+    monkeypatch.setattr(cuda_decode, "capture", capture)
+    cuda_decode.capture_stream.cache_clear()
     try:
         graphed, eager = decoded(True), decoded(False)
     finally:
-        rollout.capture_stream.cache_clear()
+        cuda_decode.capture_stream.cache_clear()
     assert len(streams) == 1 and captured == streams * 4  # spans of 4, 8, 12 and 16 slots
     assert torch.equal(graphed.tokens_out, eager.tokens_out)
     assert torch.equal(graphed.logprobs_out, eager.logprobs_out)

@@ -1,5 +1,6 @@
 """Tests of eval.py (mean@k, pass@k, sharding, completions.jsonl) and plot.py (renders without a
 display)."""
+import functools
 import importlib.util
 import itertools
 import json
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 import eval as evaluation
-import rollout
+from systems import cuda_decode
 
 REPO = Path(__file__).resolve().parents[1]  # the repository
 
@@ -142,12 +143,16 @@ def test_sharded_equals_unsharded(eval_runs):
 def test_on_a_gpu_eval_samples_with_the_projections_joined(eval_runs, monkeypatch, tmp_path):
     """Where runtime.FUSED_PROJECTIONS_ON names the device (a GPU; here the CPU, patched), eval.py
     joins the model's q/k/v and gate/up weights as train.py's sampler does (one GEMM each a step):
-    the same completions and numbers as the separate weights drew."""
+    the same completions and numbers as the separate weights drew. Sampled through
+    systems/cuda_decode.py's step, as on a GPU (rollout's own step reads the separate weights)."""
+    import rollout
+
     task, single, _ = eval_runs
     joined = []
     monkeypatch.setattr(evaluation.runtime, "FUSED_PROJECTIONS_ON", ("cpu",))
+    monkeypatch.setattr(evaluation, "generate", functools.partial(rollout.generate, fast=True))
     monkeypatch.setattr(evaluation, "fuse_projections",
-                        lambda model: joined.append(model) or rollout.fuse_projections(model))
+                        lambda model: joined.append(model) or cuda_decode.fuse_projections(model))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

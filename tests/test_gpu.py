@@ -6,11 +6,13 @@ On a CPU they skip with the reason. They check the CUDA-only branches the CPU su
 through stand-ins (test_cuda_paths.py): the rule that picks flash and bf16 on this GPU (and, on a
 pre-Ampere GPU with flash-attn installed, that its kernel does refuse it); the sampler's
 flash_attn_with_kvcache path against its SDPA path on the same cache; greedy generation with each,
-token by token against the model's own forward pass; the fixed-shape loop replayed as a CUDA graph
-against its eager steps, under torch.cuda.set_sync_debug_mode("error"), and holding no memory
-after a second call (its captures' cuBLAS workspace); a bf16 training step of train.py on CUDA (NCCL
-is not needed: one process); and an --async-lag queue saved from CUDA onto the CPU and resumed.
+token by token against the model's own forward pass; the decode loop through cuda_decode.fast
+replayed as a CUDA graph against its eager steps and against rollout's own step, under
+torch.cuda.set_sync_debug_mode("error"), and holding no memory after a second call (its captures'
+cuBLAS workspace); a bf16 training step of train.py on CUDA (NCCL is not needed: one process); and
+an --async-lag queue saved from CUDA onto the CPU and resumed.
 """
+import functools
 import json
 import os
 import subprocess
@@ -22,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rollout
-from systems import runtime
+from systems import cuda_decode, runtime
 from test_rollout import (PROMPTS, assert_greedy_up_to_ties, cache_for, eos_for_mixed_lengths,
                           lively, tiny_model)
 
@@ -30,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]  # the repository
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(),
                                  reason="needs a CUDA GPU (pytest -m gpu)")]
-FLASH = (rollout.flash_choice(torch.device("cuda"), torch.bfloat16) if torch.cuda.is_available()
+FLASH = (cuda_decode.flash_choice(torch.device("cuda"), torch.bfloat16) if torch.cuda.is_available()
          else (False, "needs a CUDA GPU"))
 needs_flash = pytest.mark.skipif(not FLASH[0], reason=FLASH[1])
 # bf16 logits of the tiny models (|z| ~ 1): flash against SDPA, and a greedy token's tie
@@ -44,8 +46,8 @@ def test_the_rules_on_this_gpu():
     device = torch.device("cuda", torch.cuda.current_device())
     major, minor = torch.cuda.get_device_capability(device)
     assert runtime.bf16_is_native(device) == (major >= 8)
-    assert FLASH[0] == (major >= 8 and rollout.flash_attn_status()[0]), FLASH[1]
-    if major < 8 and rollout.flash_attn_status()[0]:
+    assert FLASH[0] == (major >= 8 and cuda_decode.flash_attn_status()[0]), FLASH[1]
+    if major < 8 and cuda_decode.flash_attn_status()[0]:
         from flash_attn import flash_attn_with_kvcache
 
         q = torch.zeros(1, 1, 2, 64, dtype=torch.float16, device=device)
@@ -60,16 +62,19 @@ def test_the_rules_on_this_gpu():
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
 def test_flash_equals_sdpa_on_the_same_cache(family):
     """Prefill three prompts of different lengths, then decode 8 steps feeding the same tokens to
-    both paths: the logits agree within bf16 rounding at every step, and so do the caches (flash
-    writes into them in place)."""
+    both paths (cuda_decode's flash branch, rollout's own SDPA): the logits agree within bf16
+    rounding at every step, and so do the caches (flash writes into them in place)."""
     model = tiny_model(family).cuda().bfloat16()
     prompts = [[5, 9, 2, 7, 7, 1, 3], [3, 4], [8, 8, 8, 1]]
-    caches = {flash: cache_for(model, 3, 32, flash) for flash in (True, False)}
-    logits = {flash: rollout.prefill(model, prompts, cache) for flash, cache in caches.items()}
+    caches = {flash: cache_for(model, 3, 32) for flash in (True, False)}
+    flash_forward = functools.partial(cuda_decode.forward, flash=True)
+    logits = {True: rollout.prefill(model, prompts, caches[True], flash_forward),
+              False: rollout.prefill(model, prompts, caches[False])}
     torch.testing.assert_close(logits[True], logits[False], **BF16)
     for _ in range(8):
         tokens = logits[False].argmax(-1)
-        logits = {flash: rollout.decode(model, tokens, cache) for flash, cache in caches.items()}
+        logits = {True: cuda_decode.decode(model, tokens, caches[True], None, flash=True),
+                  False: rollout.decode(model, tokens, caches[False], span=32)}
         torch.testing.assert_close(logits[True], logits[False], **BF16)
         assert torch.equal(caches[True].seqlens, caches[False].seqlens)
         torch.testing.assert_close(caches[True].k, caches[False].k, **BF16)
@@ -85,7 +90,7 @@ def test_greedy_generate_follows_the_model(monkeypatch, flash):
     if flash and not FLASH[0]:
         pytest.skip(FLASH[1])
     if not flash:
-        monkeypatch.setattr(rollout, "flash_choice", lambda device, dtype: (False, "SDPA"))
+        monkeypatch.setattr(cuda_decode, "flash_choice", lambda device, dtype: (False, "SDPA"))
     model = lively(tiny_model("qwen3")).cuda().bfloat16()
     free = rollout.generate(model, PROMPTS, 24, temperature=0).response_ids
     out = rollout.generate(model, PROMPTS, 24, temperature=0,
@@ -96,34 +101,35 @@ def test_greedy_generate_follows_the_model(monkeypatch, flash):
 
 @pytest.mark.parametrize("flash", [True, False], ids=["flash", "sdpa"])
 def test_graphed_fixed_shape_loop_equals_eager(monkeypatch, flash):
-    """generate(static=True), CUDA's default, in bf16 with EOS at mixed lengths, greedy and
-    sampled: replaying the captured CUDA graph gives the eager fixed-shape step's tokens and
-    log-probs (the same kernels on the same tensors), greedy tokens follow the model's own forward
-    pass up to bf16 ties, and the rows end where the compaction loop's do."""
+    """generate on CUDA (through cuda_decode.fast) in bf16 with EOS at mixed lengths, greedy
+    and sampled: replaying the captured CUDA graph gives the eager step's tokens and log-probs (the
+    same kernels on the same tensors), greedy tokens follow the model's own forward pass up to bf16
+    ties, and the EOS comes from rollout's own step (fast=False)."""
     if flash and not FLASH[0]:
         pytest.skip(FLASH[1])
     if not flash:
-        monkeypatch.setattr(rollout, "flash_choice", lambda device, dtype: (False, "SDPA"))
+        monkeypatch.setattr(cuda_decode, "flash_choice", lambda device, dtype: (False, "SDPA"))
     model = lively(tiny_model("qwen3")).cuda().bfloat16()
-    free = rollout.generate(model, PROMPTS, 24, temperature=0, static=False).response_ids
+    free = rollout.generate(model, PROMPTS, 24, temperature=0, fast=False).response_ids
     eos = eos_for_mixed_lengths(free)
     for temperature in (0.0, 1.0):
         out = {graphs: rollout.generate(model, PROMPTS, 24, temperature=temperature,
-                                        eos_token_id=eos, static=True, cuda_graphs=graphs,
+                                        eos_token_id=eos, cuda_graphs=graphs,
                                         generator=torch.Generator("cuda").manual_seed(0))
                for graphs in (True, False)}
         assert out[True].response_ids == out[False].response_ids
         torch.testing.assert_close(out[True].token_logprobs, out[False].token_logprobs,
                                    atol=1e-6, rtol=0)
-    greedy = rollout.generate(model, PROMPTS, 24, temperature=0, eos_token_id=eos, static=True)
+    greedy = rollout.generate(model, PROMPTS, 24, temperature=0, eos_token_id=eos)
     assert_greedy_up_to_ties(model, PROMPTS, greedy, **BF16)
     assert len({len(row) for row in greedy.response_ids}) >= 2, "the test needs rows that stop"
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphed", "eager"])
 def test_the_fixed_shape_loop_never_syncs(graphs):
-    """The fixed-shape loop with EOS off (no "all done?" to ask), sampled with top-p, under
-    torch.cuda.set_sync_debug_mode("error"): any synchronizing CUDA operation in it raises."""
+    """The decode loop through cuda_decode.fast with EOS off (no "all done?" to ask), sampled
+    with top-p, under torch.cuda.set_sync_debug_mode("error"): any synchronizing CUDA operation in
+    it raises."""
     model = lively(tiny_model("llama3")).cuda().bfloat16()
     cache, logits, row_of_slot = rollout.prefilled(model, PROMPTS, 20)
     uniforms = torch.rand(len(PROMPTS), 20, device="cuda", dtype=torch.float64)
@@ -132,7 +138,8 @@ def test_the_fixed_shape_loop_never_syncs(graphs):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        rollout.static_decode(model, cache, logits, state, cuda_graphs=graphs)
+        rollout.decode_loop(model, cache, logits, state,
+                            cuda_decode.fast(model, cuda_graphs=graphs)[1])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert int(state.step) == 20 and state.lengths.eq(20).all()
@@ -144,7 +151,7 @@ def test_a_step_normalizes_with_the_fused_kernel(family):
     once for each of the model's norms), none of the modules' own seven (no mean); that the tokens
     stay the model's, the greedy tests above check."""
     model = tiny_model(family).cuda().bfloat16()
-    cache = cache_for(model, 3, 16, flash=False)
+    cache = cache_for(model, 3, 16)
     tokens = rollout.prefill(model, [[5, 9, 2], [3, 4], [8]], cache).argmax(-1)
     ops = []
 
@@ -153,7 +160,7 @@ def test_a_step_normalizes_with_the_fused_kernel(family):
             ops.append(func.overloadpacket.__name__)
             return func(*args, **(kwargs or {}))
     with Ops():
-        rollout.decode(model, tokens, cache, span=16)
+        cuda_decode.decode(model, tokens, cache, span=16)
     layers = model.config.num_hidden_layers
     norms = 2 * layers + 1 + (2 * layers if family == "qwen3" else 0)
     assert ops.count("_fused_rms_norm") == norms and "mean" not in ops
@@ -161,12 +168,12 @@ def test_a_step_normalizes_with_the_fused_kernel(family):
 
 def test_a_second_generate_holds_no_more_memory_than_the_first_left(monkeypatch):
     """Each capture of the fixed-shape loop warms up and records on one side stream for the process
-    (rollout.capture_stream): cuBLAS keeps a workspace (32 MiB on a Hopper card) in PyTorch's
+    (cuda_decode.capture_stream): cuBLAS keeps a workspace (32 MiB on a Hopper card) in PyTorch's
     allocator for each stream that has run a GEMM, until the process ends, so a new stream per
     capture held one more for each span. Here each call captures four spans (SDPA: one graph per
     SPAN_BUCKET slots); once the first call has made the side stream's workspace, the second leaves
     the allocated bytes as they were."""
-    monkeypatch.setattr(rollout, "flash_choice", lambda device, dtype: (False, "SDPA"))
+    monkeypatch.setattr(cuda_decode, "flash_choice", lambda device, dtype: (False, "SDPA"))
     model = lively(tiny_model("llama3")).cuda().bfloat16()
     max_new_tokens = 3 * rollout.SPAN_BUCKET  # spans of 128, 256, 384 and the cache's length
     for seed in (0, 1):

@@ -18,7 +18,9 @@ from transformers import (
 )
 
 import rollout
-from rollout import KVCache, fuse_projections, generate
+from rollout import KVCache, generate
+from systems import cuda_decode
+from systems.cuda_decode import fuse_projections
 
 VOCAB = 96
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -95,15 +97,15 @@ def model(request):
     return tiny_model(request.param)
 
 
-def cache_for(model, rows, length, flash):
-    """An empty rollout.KVCache for `rows` rows of `length` slots, on the model's device and dtype;
-    `flash` picks the attention that forward() uses on it."""
+def cache_for(model, rows, length):
+    """An empty rollout.KVCache for `rows` rows of `length` slots, on the model's device and
+    dtype."""
     config, param = model.config, next(model.parameters())
     head_dim = model.model.layers[0].self_attn.head_dim
     shape = (config.num_hidden_layers, rows, length, config.num_key_value_heads, head_dim)
     return KVCache(torch.zeros(shape, dtype=param.dtype, device=param.device),
                    torch.zeros(shape, dtype=param.dtype, device=param.device),
-                   torch.zeros(rows, dtype=torch.int32, device=param.device), flash)
+                   torch.zeros(rows, dtype=torch.int32, device=param.device))
 
 
 def hf_greedy(model, prompt, max_new_tokens, eos_token_id=None):
@@ -227,13 +229,13 @@ def test_top_p_stays_in_nucleus_with_renormalized_logprobs(model, top_p):
 @pytest.mark.parametrize("vocab", [20_000, 16_384, 5_000],
                          ids=["partial last block", "whole blocks", "one cumsum"])
 def test_inverse_cdf_in_blocks_picks_what_one_cumsum_picks(vocab):
-    """rollout.inverse_cdf finds the block by its sums, then the token by a cumsum inside it (from
-    16 blocks of 1,024 tokens up): the token a float64 cumsum over the whole vocabulary picks, for
-    256 skewed distributions with a third of their tokens at zero mass (as top-p leaves them) and
-    masses that do not sum to 1, one row's whole mass on a single token in the last block. Uniforms
-    of 0 and of the largest double below 1 still pick a token of nonzero mass, also where the
-    cumsum inside the block ends below the block's sum (a mass spread over 12 orders of magnitude:
-    in about half of those rows), so the target lies past it."""
+    """cuda_decode.inverse_cdf finds the block by its sums, then the token by a cumsum inside it
+    (from 16 blocks of 1,024 tokens up): the token a float64 cumsum over the whole vocabulary picks,
+    for 256 skewed distributions with a third of their tokens at zero mass (as top-p leaves them)
+    and masses that do not sum to 1, one row's whole mass on a single token in the last block.
+    Uniforms of 0 and of the largest double below 1 still pick a token of nonzero mass, also where
+    the cumsum inside the block ends below the block's sum (a mass spread over 12 orders of
+    magnitude: in about half of those rows), so the target lies past it."""
     generator = torch.Generator().manual_seed(0)
     probs = torch.rand(256, vocab, generator=generator) ** 4
     probs[torch.rand(256, vocab, generator=generator) < 0.3] = 0
@@ -242,24 +244,26 @@ def test_inverse_cdf_in_blocks_picks_what_one_cumsum_picks(vocab):
     uniform = torch.rand(256, generator=generator, dtype=torch.float64)
     cdf = probs.cumsum(-1, dtype=torch.float64)
     expected = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True)
-    tokens, total = rollout.inverse_cdf(probs, uniform)
+    tokens, total = cuda_decode.inverse_cdf(probs, uniform)
     assert torch.equal(tokens, expected)
     torch.testing.assert_close(total, cdf[:, -1:], atol=0, rtol=1e-12)
     for edge in (0.0, 1 - 2**-53):
-        tokens, _ = rollout.inverse_cdf(probs, torch.full((256,), edge, dtype=torch.float64))
+        tokens, _ = cuda_decode.inverse_cdf(probs, torch.full((256,), edge, dtype=torch.float64))
         assert (probs.gather(-1, tokens) > 0).all()
-    assert rollout.inverse_cdf(probs[:1], uniform[:1])[0].item() == vocab - 3
+    assert cuda_decode.inverse_cdf(probs[:1], uniform[:1])[0].item() == vocab - 3
     last_block = torch.zeros(256, vocab)
     first = (vocab - 1) // 1024 * 1024
     last_block[:, first:] = torch.rand(256, vocab - first, generator=generator) ** 12
-    tokens, _ = rollout.inverse_cdf(last_block, torch.full((256,), 1 - 2**-53, dtype=torch.float64))
+    tokens, _ = cuda_decode.inverse_cdf(last_block,
+                                        torch.full((256,), 1 - 2**-53, dtype=torch.float64))
     assert (last_block.gather(-1, tokens) > 0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_norms_and_rope_are_hugging_faces_own(family, dtype):
-    """rollout.rms_norm and rollout.rope (the step's fewer-kernel forms) give the numbers of the
+    """cuda_decode.rms_norm and cuda_decode.rope (the GPU step's fewer-kernel forms), and
+    rollout.rope (the plain formula), give the numbers of the
     family's own RMSNorm modules (the layers', the final one, Qwen3's per-head q/k norms) and of its
     apply_rotary_pos_emb, bit for bit, in fp32 and in bf16: on q and k apart and on q|k as one
     strided view of a joined projection's output, as forward runs it where fuse_projections joined
@@ -269,21 +273,25 @@ def test_norms_and_rope_are_hugging_faces_own(family, dtype):
     generator = torch.Generator().manual_seed(0)
     x = (3 * torch.randn(2, 5, config.hidden_size, generator=generator)).to(dtype)
     for norm in (layer.input_layernorm, layer.post_attention_layernorm, model.model.norm):
-        assert torch.equal(rollout.rms_norm(norm, x), norm(x))
+        assert torch.equal(cuda_decode.rms_norm(norm, x), norm(x))
     heads, kv_heads, head_dim = (config.num_attention_heads, config.num_key_value_heads,
                                  layer.self_attn.head_dim)
     qkv = torch.randn(2, 5, heads + 2 * kv_heads, head_dim, generator=generator).to(dtype)
     q, k = qkv[:, :, :heads], qkv[:, :, heads:heads + kv_heads]
     if family == "qwen3":
-        assert torch.equal(rollout.rms_norm(layer.self_attn.q_norm, q), layer.self_attn.q_norm(q))
+        q_norm = layer.self_attn.q_norm
+        assert torch.equal(cuda_decode.rms_norm(q_norm, q), q_norm(q))
     positions = torch.tensor([[0, 1, 2, 3, 4], [7, 30, 31, 90, 200]])  # llama3's scaled range too
     cos, sin = model.model.rotary_emb(x, positions)
     theirs = sys.modules[type(model).__module__].apply_rotary_pos_emb(q, k, cos, sin,
                                                                       unsqueeze_dim=2)
-    cos, sin = cos[:, :, None], rollout.signed_sin(sin)[:, :, None]
+    cos, sin = cos[:, :, None], sin[:, :, None]
     assert torch.equal(rollout.rope(q, cos, sin), theirs[0])
     assert torch.equal(rollout.rope(k, cos, sin), theirs[1])
-    joined = rollout.rope(qkv[:, :, :heads + kv_heads], cos, sin)
+    sin = cuda_decode.signed_sin(sin)
+    assert torch.equal(cuda_decode.rope(q, cos, sin), theirs[0])
+    assert torch.equal(cuda_decode.rope(k, cos, sin), theirs[1])
+    joined = cuda_decode.rope(qkv[:, :, :heads + kv_heads], cos, sin)
     assert torch.equal(joined, torch.cat(theirs, dim=2))
 
 
@@ -302,17 +310,18 @@ class Calls(torch.overrides.TorchFunctionMode):
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_step_norms_with_rms_norm_and_ropes_q_and_k_together_when_fused(family, fused):
-    """A decode step normalizes through F.rms_norm, once for each of the model's norms (on CUDA one
-    fused kernel each, where the modules' own forward runs seven: never the modules' pow), and where
-    fuse_projections joined q, k and v (and no per-head norm comes between: not Qwen3) rotates q and
-    k as one tensor: one rope a layer, its one torch.cat, instead of two."""
+    """A GPU decode step (cuda_decode.decode) normalizes through F.rms_norm, once for each of the
+    model's norms (on CUDA one fused kernel each, where the modules' own forward runs seven: never
+    the modules' pow), and where fuse_projections joined q, k and v (and no per-head norm comes
+    between: not Qwen3) rotates q and k as one tensor: one rope a layer, its one torch.cat, instead
+    of two."""
     model = tiny_model(family)
     if fused:
         fuse_projections(model)
-    cache = cache_for(model, 3, 16, flash=False)
+    cache = cache_for(model, 3, 16)
     logits = rollout.prefill(model, [[5, 9, 2], [3, 4], [8]], cache)
     with Calls() as calls:
-        rollout.decode(model, logits.argmax(-1), cache, span=16)
+        cuda_decode.decode(model, logits.argmax(-1), cache, span=16)
     layers = model.config.num_hidden_layers
     per_head = 2 * layers if family == "qwen3" else 0
     assert calls.count.get("rms_norm") == 2 * layers + 1 + per_head
@@ -337,8 +346,8 @@ def test_samples_follow_the_reported_distribution():
     assert total_variation < 0.08, total_variation  # ~0.04 expected from sampling noise alone
 
 
-@pytest.mark.parametrize("static", [False, True])
-def test_rare_tokens_are_drawn_at_their_rate(static):
+@pytest.mark.parametrize("fast", [False, True], ids=["rollout", "cuda_decode"])
+def test_rare_tokens_are_drawn_at_their_rate(fast):
     """Tokens of probability 1e-4 to 1e-2 (the ratios 10-100 of K3's tail) over 6 decode steps:
     the number drawn in each band against its expectation, the sum over every drawn prefix of the
     band's mass under the model's own full forward pass (a compensator: equal in expectation
@@ -347,7 +356,7 @@ def test_rare_tokens_are_drawn_at_their_rate(static):
     model, temperature, num, steps = tiny_model("qwen2"), 0.1, 4000, 6
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
     out = generate(model, [p for p in prompts for _ in range(num)], steps, temperature,
-                   generator=torch.Generator().manual_seed(4), static=static)
+                   generator=torch.Generator().manual_seed(4), fast=fast)
     bands = ((1e-4, 1e-3), (1e-3, 1e-2))
     drawn, expected = torch.zeros(len(bands)), torch.zeros(len(bands), dtype=torch.float64)
     for k, prompt in enumerate(prompts):
@@ -424,20 +433,21 @@ def storage_bytes(model):
     return sum(storages.values())
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["compaction", "fixed shape"])
+@pytest.mark.parametrize("fast", [False, True], ids=["rollout", "cuda_decode"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_fused_projections_sample_as_the_separate_ones(family, static):
+def test_fused_projections_sample_as_the_separate_ones(family, fast):
     """fuse_projections joins each layer's q/k/v and gate/up weights (one GEMM each in a step), the
     separate weights becoming views into them: no second copy, the same sampled tokens with EOS at
     mixed lengths and top-p, the same log-probs up to the GEMMs' rounding, and greedy rows still
     Hugging Face's (whose forward reads the views). Weights replaced after the join (here by
-    `.to()`) make generate refuse the model until it is joined again."""
+    `.to()`) make cuda_decode's step refuse the model until it is joined again (rollout's own
+    forward reads the layers' weights, so it samples them)."""
     model = lively(tiny_model(family))
     eos = eos_for_mixed_lengths(generate(model, PROMPTS, 16, temperature=0).response_ids)
 
     def sampled():
         return generate(model, PROMPTS, 16, temperature=1.0, top_p=0.8, eos_token_id=eos,
-                        generator=torch.Generator().manual_seed(3), static=static)
+                        generator=torch.Generator().manual_seed(3), fast=fast)
     separate, before = sampled(), storage_bytes(model)
     fuse_projections(model)
     assert storage_bytes(model) == before
@@ -448,16 +458,19 @@ def test_fused_projections_sample_as_the_separate_ones(family, static):
     assert fused.response_ids == separate.response_ids
     assert len(set(map(len, fused.response_ids))) > 1, "the test needs rows that stop"
     torch.testing.assert_close(fused.token_logprobs, separate.token_logprobs, atol=1e-5, rtol=0)
-    greedy = generate(model, PROMPTS, 16, temperature=0, static=static)
+    greedy = generate(model, PROMPTS, 16, temperature=0, fast=fast)
     for row, prompt in enumerate(PROMPTS):
         assert greedy.response_ids[row] == hf_greedy(model, prompt, 16)
     # weights replaced after the join would leave it stale: generate refuses, until joined again
     model.to(torch.float64)
-    with pytest.raises(ValueError, match="fuse them again"):
-        generate(model, PROMPTS, 4, temperature=0, static=static)
-    rollout.unfuse_projections(model)
+    if fast:
+        with pytest.raises(ValueError, match="fuse them again"):
+            generate(model, PROMPTS, 4, temperature=0, fast=fast)
+    else:
+        assert generate(model, PROMPTS, 4, temperature=0).tokens.shape == (len(PROMPTS), 4)
+    cuda_decode.unfuse_projections(model)
     fuse_projections(model)
-    assert generate(model, PROMPTS, 4, temperature=0, static=static).response_ids == \
+    assert generate(model, PROMPTS, 4, temperature=0, fast=fast).response_ids == \
         [row[:4] for row in greedy.response_ids]
 
 
@@ -473,23 +486,21 @@ def test_bad_input_raises():
 def test_a_flash_attn_that_does_not_import_is_reported_once(tmp_path, monkeypatch):
     """A flash-attn wheel built for another torch is found by find_spec but fails on import: the
     probe says so in one line (before any model loads), and generate still runs, on SDPA."""
-    import rollout
-
     broken = tmp_path / "flash_attn"
     broken.mkdir()
     (broken / "__init__.py").write_text(
         "raise ImportError('undefined symbol: _ZN3c104cuda9SetDevice')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
-    rollout.flash_attn_status.cache_clear()
+    cuda_decode.flash_attn_status.cache_clear()
     try:
-        usable, reason = rollout.flash_attn_status()
+        usable, reason = cuda_decode.flash_attn_status()
         assert (not usable and "installed but does not import (undefined symbol" in reason
                 and "\n" not in reason)
         out = generate(tiny_model("llama3"), [[1, 2, 3]], max_new_tokens=4, temperature=0)
         assert out.tokens.shape == (1, 4)
     finally:
-        rollout.flash_attn_status.cache_clear()
+        cuda_decode.flash_attn_status.cache_clear()
 
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

@@ -1,10 +1,11 @@
-"""rollout.py's fixed-shape decode loop (`generate(static=True)`, the default on CUDA), checked on a
-CPU with tiny random Llama, Qwen2 and Qwen3 models in fp32 (test_rollout.py's):
+"""rollout.py's fixed-shape decode loop (every row every step), through rollout's own step and
+through systems/cuda_decode.py's (the GPU's, run eagerly here), checked on a CPU with tiny random
+Llama, Qwen2 and Qwen3 models in fp32 (test_rollout.py's):
 
-- the same samples as the compaction loop (today's sampler, the CPU default), as Hugging Face's
-  greedy generate, and log-probs equal to the model's own full forward pass, with EOS ending rows
-  at mixed lengths, at temperature 0 and 1, top-p 1 and 0.8; a row's sample depends on the seed and
-  its row index only;
+- each token is the one its pre-drawn uniform picks from the model's own full forward pass (or a
+  tie), both steps draw the same samples, greedy rows are Hugging Face's greedy generate's, and
+  log-probs equal the full forward pass's, with EOS ending rows at mixed lengths, at temperature 0
+  and 1, top-p 1 and 0.8; a row's sample depends on the seed and its row index only;
 - what lets a GPU replay the step as a CUDA graph: no host sync inside a step, and one "all done?"
   per rollout.ALL_DONE_EVERY steps over a whole generate (counted with a TorchDispatchMode); the
   cache's and the step's tensors keep their addresses; torch.compile(fullgraph=True) traces the
@@ -27,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import rollout
+from systems import cuda_decode
 from test_rollout import (FAMILIES, PROMPTS, VOCAB, assert_cut_at_eos, eos_for_mixed_lengths,
                           hf_greedy, lively, nucleus_logprobs, reference_logprobs, tiny_model)
 
@@ -105,24 +107,31 @@ def assert_differs_at_a_tie(model, prompt, ours, theirs, temperature, top_p, uni
 @pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (1.0, 1.0), (1.0, 0.8)],
                          ids=["greedy", "T1", "T1-top-p0.8"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_same_samples_as_compaction(family, temperature, top_p):
-    """Both loops from the same seed, EOS ending rows at 3 or more lengths: every row of the
-    fixed-shape loop equals the compaction loop's (or first differs at a tie), greedy rows equal
-    Hugging Face's generate, and every log-prob equals the full forward pass's (1e-4, as
-    test_rollout.py's) and the compaction loop's."""
+def test_the_same_samples_as_the_full_forward_pass(family, temperature, top_p):
+    """rollout's step and cuda_decode's from the same seed, EOS ending rows at 3 or more lengths:
+    every token of rollout's is the one its uniform picks by inverse CDF from the model's own full
+    forward pass (or a tie), cuda_decode's rows equal rollout's (or first differ at a tie), greedy
+    rows equal Hugging Face's generate, and every log-prob equals the full forward pass's (1e-4, as
+    test_rollout.py's) and the other step's; the compaction loop's rows (a CPU's default,
+    systems/compaction.py) equal rollout's too, or first differ at a tie."""
     model = lively(tiny_model(family))
 
-    def run(static, eos_token_id):
+    def run(fast, eos_token_id):
         return rollout.generate(model, MIXED, 16, temperature, top_p, eos_token_id=eos_token_id,
-                                generator=torch.Generator().manual_seed(0), static=static)
+                                generator=torch.Generator().manual_seed(0), fast=fast)
     eos = eos_for_mixed_lengths(run(False, None).response_ids)
-    out = {static: run(static, eos) for static in (False, True)}
+    # out[True]: rollout's own step; out[False]: cuda_decode's; compacted: a CPU's default
+    out = {own: run(not own, eos) for own in (True, False)}
+    compacted = run(None, eos)
     uniforms = torch.rand(len(MIXED), 16, generator=torch.Generator().manual_seed(0),
                           dtype=torch.float64)  # generate's own draw
     assert len({len(row) for row in out[True].response_ids}) >= 3, "the test needs 3 lengths"
     for row, prompt in enumerate(MIXED):
         ours, today = out[True].response_ids[row], out[False].response_ids[row]
         assert_differs_at_a_tie(model, prompt, ours, today, temperature, top_p, uniforms[row])
+        assert_drawn_by_its_uniforms(model, prompt, ours, temperature, top_p, uniforms[row])
+        assert_differs_at_a_tie(model, prompt, ours, compacted.response_ids[row], temperature,
+                                top_p, uniforms[row])
         if temperature == 0:
             hf = hf_greedy(model, prompt, 16, eos_token_id=eos)
             assert_differs_at_a_tie(model, prompt, ours, hf, 0, 1, None)
@@ -138,6 +147,30 @@ def test_the_same_samples_as_compaction(family, temperature, top_p):
     for name in ("tokens", "token_logprobs", "response_mask"):  # padding after each row's end
         assert getattr(out[True], name).shape == getattr(out[False], name).shape
     assert torch.equal(out[True].response_mask, out[False].response_mask)
+    assert torch.equal(out[True].response_mask, compacted.response_mask)
+
+
+def assert_drawn_by_its_uniforms(model, prompt, ours, temperature, top_p, uniforms):
+    """Each token of `ours` is the one its uniform picks by inverse CDF (float64) from the model's
+    own full forward pass over the prompt and the tokens before it (greedy: its argmax), or a
+    tie (assert_differs_at_a_tie); a row shorter than `uniforms` ends at its first EOS (its
+    caller's check: the masks)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ours])).logits[0, len(prompt) - 1:-1].double()
+    for t, token in enumerate(ours):
+        if temperature == 0:
+            pick = int(logits[t].argmax())
+        else:
+            probs = torch.softmax(logits[t] / temperature, -1)
+            if top_p < 1:
+                probs = nucleus_logprobs(probs.log()[None], top_p)[0].exp()
+            cdf = probs.cumsum(0)
+            pick = min(int(torch.searchsorted(cdf, uniforms[t] * cdf[-1], right=True)),
+                       len(cdf) - 1)
+        if pick != token:
+            assert_differs_at_a_tie(model, prompt, ours, ours[:t] + [pick], temperature, top_p,
+                                    uniforms)
+            return
 
 
 def test_a_row_depends_on_the_seed_and_its_index_only():
@@ -148,7 +181,7 @@ def test_a_row_depends_on_the_seed_and_its_index_only():
 
     def run(prompts, eos_token_id=None):
         return rollout.generate(model, prompts, 14, temperature=1.0, eos_token_id=eos_token_id,
-                                generator=torch.Generator().manual_seed(3), static=True)
+                                generator=torch.Generator().manual_seed(3), fast=False)
     assert run(PROMPTS[1:]).response_ids[0] == run(PROMPTS[1:2]).response_ids[0]
     free = run(PROMPTS * 3)
     eos = sorted(range(VOCAB), key=lambda t: -sum(t in row for row in free.response_ids))[:2]
@@ -158,8 +191,8 @@ def test_a_row_depends_on_the_seed_and_its_index_only():
 
 
 
-@pytest.mark.parametrize("static", [True, False], ids=["fixed-shape", "compaction"])
-def test_rows_in_chunks_are_the_samples_of_one_call(static):
+@pytest.mark.parametrize("fast", [False, True, None], ids=["rollout", "cuda_decode", "compaction"])
+def test_rows_in_chunks_are_the_samples_of_one_call(fast):
     """generate(max_rows=3, then 4) on 9 rows (chunks of 3, 3, 3, then 4, 4, 1), sampled with
     top-p 0.8 and EOS at mixed lengths: every row equals one call's (or first
     differs at a tie: another batch size may round a logit otherwise), log-probs within 1e-5, and
@@ -169,7 +202,7 @@ def test_rows_in_chunks_are_the_samples_of_one_call(static):
 
     def run(max_rows, eos_token_id=None):
         return rollout.generate(model, prompts, 16, 1.0, 0.8, eos_token_id=eos_token_id,
-                                generator=torch.Generator().manual_seed(5), static=static,
+                                generator=torch.Generator().manual_seed(5), fast=fast,
                                 max_rows=max_rows)
     eos = eos_for_mixed_lengths(run(None).response_ids)
     whole = run(None, eos)
@@ -219,25 +252,28 @@ def test_the_counter_sees_each_kind_of_sync():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_step_never_waits_for_the_host(family):
-    """No sync inside the fixed-shape step, sampled with top-p and EOS on (the most ops), rows
-    finishing on the way."""
+    """No sync inside the decode step (rollout's, and cuda_decode's with fused projections),
+    sampled with top-p and EOS on (the most ops), rows finishing on the way."""
     model = lively(tiny_model(family))
-    cache, state, span = started(model, MIXED, 10, eos=[3, 4, 5], top_p=0.8)
+    caches = {fast: started(model, MIXED, 10, eos=[3, 4, 5], top_p=0.8) for fast in (False, True)}
+    cuda_decode.fuse_projections(model)  # rollout's own forward reads the views
     for _ in range(9):
-        with AtenOps() as ops:
-            rollout.static_step(model, cache, state, span)
-        assert ops.syncs == []
+        for fast, (cache, state, span) in caches.items():
+            with AtenOps() as ops:
+                (cuda_decode.static_step if fast else rollout.decode_step)(model, cache, state,
+                                                                           span)
+            assert ops.syncs == [], fast
 
 
 def test_generate_asks_the_host_once_every_k_steps():
-    """Over a whole generate(static=True) with EOS on, the decode loop adds at most one sync per
+    """Over a whole generate with EOS on, the decode loop adds at most one sync per
     rollout.ALL_DONE_EVERY steps to what the prefill and the result's width take (a generate of
     one token: no decode step)."""
     model = tiny_model("llama3")
 
     def syncs(max_new_tokens):
         with AtenOps() as ops:
-            rollout.generate(model, MIXED, max_new_tokens, eos_token_id=[VOCAB - 1], static=True,
+            rollout.generate(model, MIXED, max_new_tokens, eos_token_id=[VOCAB - 1], fast=False,
                              generator=torch.Generator().manual_seed(0))
         return len(ops.syncs)
     k, base = rollout.ALL_DONE_EVERY, syncs(1)
@@ -254,7 +290,7 @@ def test_the_step_writes_in_place():
                                  temperature=0.0)
     before = tensors(cache, state)
     for _ in range(11):
-        rollout.static_step(model, cache, state, span)
+        rollout.decode_step(model, cache, state, span)
         assert tensors(cache, state) == before
     assert state.done.any() and not state.done.all(), "the test needs rows that finish"
 
@@ -264,15 +300,17 @@ def test_the_step_writes_in_place():
 def test_the_step_traces_as_one_graph(family, fused):
     """torch.compile(fullgraph=True) raises at the first graph break; backend "eager" only traces
     (seconds on a CPU). The traced step gives the eager step's tokens and log-probs, also with the
-    projections joined as train.py's sampler has them (rollout.fuse_projections)."""
+    projections joined as train.py's sampler has them (cuda_decode.fuse_projections, through
+    cuda_decode's step; separate: rollout's own step)."""
     model = tiny_model(family)
     if fused:
-        rollout.fuse_projections(model)
+        cuda_decode.fuse_projections(model)
+    plain = cuda_decode.static_step if fused else rollout.decode_step
     torch._dynamo.reset()
-    step = torch.compile(rollout.static_step, fullgraph=True, backend="eager")
+    step = torch.compile(plain, fullgraph=True, backend="eager")
     eager, traced = (started(model, MIXED, 5, eos=[3], top_p=0.8) for _ in range(2))
     for _ in range(4):
-        rollout.static_step(model, *eager)
+        plain(model, *eager)
         step(model, *traced)
     assert torch.equal(eager[1].tokens_out, traced[1].tokens_out)
     torch.testing.assert_close(eager[1].logprobs_out, traced[1].logprobs_out)
@@ -290,16 +328,20 @@ def smollm2_layout():
 @pytest.mark.parametrize("temperature, top_p", [(0.0, 1.0), (1.0, 0.8)], ids=["greedy", "top-p"])
 @pytest.mark.parametrize("family", FAMILIES + ["smollm2-layout"])
 def test_a_step_runs_no_more_ops_than_hf_generate(family, temperature, top_p):
-    """Aten ops that are not views, per decode step: ours (one fixed-shape step) against Hugging
+    """Aten ops that are not views, per decode step: ours (one step, cuda_decode's and rollout's
+    own) against Hugging
     Face's generate on the same model and rows (its per step: the ops of 6 new tokens minus those
     of 4, over 2), sampling alike (EOS on, top_k off). Seen on SmolLM2's layout: ours 1,091 greedy,
     1,105 at top-p 0.8; Hugging Face's 1,323 and 1,344."""
     model = smollm2_layout() if family == "smollm2-layout" else tiny_model(family)
     prompts = [[5, 6, 7, 8 + row] for row in range(4)]
-    cache, state, span = started(model, prompts, 8, eos=[VOCAB - 1], temperature=temperature,
-                                 top_p=top_p)
-    with AtenOps() as ours:
-        rollout.static_step(model, cache, state, span)
+    ours = {}
+    for step in (cuda_decode.static_step, rollout.decode_step):
+        cache, state, span = started(model, prompts, 8, eos=[VOCAB - 1], temperature=temperature,
+                                     top_p=top_p)
+        with AtenOps() as ops:
+            step(model, cache, state, span)
+        ours[step.__module__] = ops.ops
     ids = torch.tensor(prompts)
 
     def hf(new):
@@ -310,7 +352,7 @@ def test_a_step_runs_no_more_ops_than_hf_generate(family, temperature, top_p):
                            **(sampling if temperature else dict(do_sample=False)))
         return ops.ops
     theirs = (hf(6) - hf(4)) / 2
-    assert ours.ops <= theirs, (ours.ops, theirs)
+    assert max(ours.values()) <= theirs, (ours, theirs)
 
 
 # ---------------------------------------------------------------- the benchmark, on a CPU
@@ -327,7 +369,7 @@ def test_bench_decode_runs_on_a_cpu(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     steps = report["step_ms"]
-    assert {row["sampler"] for row in steps} >= {"ours eager", "ours compaction", "hf eager"}
+    assert {row["sampler"] for row in steps} >= {"ours eager", "ours plain", "hf eager"}
     for row in steps:  # a step's ms is t(4) - t(2) over 2 steps: on a loaded CPU it can be < 0
         assert math.isfinite(row["ms"]) and row["floor_ms"] > 0, row
         assert row["floor_fraction"] == pytest.approx(row["floor_ms"] / row["ms"]), row
@@ -375,11 +417,12 @@ def test_bench_decode_writes_each_repeat_as_it_goes(tmp_path):
 
 
 def test_the_compiled_step_plumbs_through_generate(monkeypatch):
-    """generate(compiled=True) runs compiled_step in the fixed-shape loop (traced here with a
+    """generate(compiled=True) runs cuda_decode.compiled_step in the decode loop (traced here with a
     backend that runs the traced graph as it is: Inductor is for a GPU), whose compiled graph is the
-    model's part without the sampler, and samples what the plain step samples; the compaction loop
-    ignores it. One trace serves every span and cache length (other prompts and max_new_tokens): a
-    specialized compile would trace again, a minute each on a GPU."""
+    model's part without the sampler, and samples what the plain step samples; generate
+    (fast=False), rollout's own step, ignores it. One trace serves every span and cache length
+    (other prompts and max_new_tokens): a specialized compile would trace again, a minute each on a
+    GPU."""
     model = tiny_model("qwen3")
     torch._dynamo.reset()
     calls, traces = [], []
@@ -391,12 +434,12 @@ def test_the_compiled_step_plumbs_through_generate(monkeypatch):
     def traced():
         calls.append(1)
         return compiled_step(backend=backend)
-    compiled_step = rollout.compiled_step
-    monkeypatch.setattr(rollout, "compiled_step", traced)
+    compiled_step = cuda_decode.compiled_step
+    monkeypatch.setattr(cuda_decode, "compiled_step", traced)
 
-    def run(compiled, static=True, prompts=MIXED, max_new_tokens=10):
+    def run(compiled, fast=None, prompts=MIXED, max_new_tokens=10):
         return rollout.generate(model, prompts, max_new_tokens, 1.0, 0.8, eos_token_id=[3],
-                                static=static, generator=torch.Generator().manual_seed(1),
+                                fast=fast, generator=torch.Generator().manual_seed(1),
                                 compiled=compiled)
     plain, compiled = run(False), run(True)
     assert calls == [1] and len(traces) == 1
@@ -404,7 +447,7 @@ def test_the_compiled_step_plumbs_through_generate(monkeypatch):
     assert "linear" in traces[0] and "cumsum" not in traces[0] and "sort" not in traces[0]
     assert plain.response_ids == compiled.response_ids
     torch.testing.assert_close(plain.token_logprobs, compiled.token_logprobs)
-    run(True, static=False)
+    run(True, fast=False)
     assert calls == [1]
     run(True, prompts=[p + [5, 6, 7] for p in MIXED], max_new_tokens=6)  # a new span and length
     assert calls == [1, 1] and len(traces) == 1, traces

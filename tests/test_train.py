@@ -702,7 +702,7 @@ def test_sampler_shares_fp32_weights_and_keeps_fp32_buffers(tiny, tmp_path):
     for name, param in policy.named_parameters():  # refreshed after the step
         assert torch.equal(sampler.get_parameter(name), param.detach().bfloat16()), name
     # each layer's q/k/v and gate/up weights joined again from the refreshed ones, which are views
-    # into them (rollout.fuse_projections)
+    # into them (cuda_decode.fuse_projections)
     for layer in sampler.model.layers:
         for module, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj")),
                               (layer.mlp, ("gate_proj", "up_proj"))):
@@ -1018,8 +1018,8 @@ def test_the_evaluation_of_eval_every_follows_generate_rows(tiny, tmp_path):
 
 
 def test_compile_sampler_reaches_generate_and_resumes_either_way(tiny, tmp_path):
-    """--compile-sampler: each rollout's generate call compiles its fixed-shape step
-    (rollout.compiled_step; a CPU's compaction loop leaves it aside); unset, it is on exactly where
+    """--compile-sampler: each rollout's generate call compiles its decode step
+    (cuda_decode.compiled_step, through generate(compiled=True)); unset, it is on exactly where
     runtime.COMPILED_SAMPLER_ON names the device (none yet: off here; named, on). It changes the
     samples' rounding only, so a checkpoint resumes with it set the other way."""
     import rollout

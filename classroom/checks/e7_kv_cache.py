@@ -75,7 +75,7 @@ def logprobs(c, run):
 
 
 def one_token(c, run):
-    """After the prefill, every forward pass feeds exactly one new token per live row (a hook on
+    """After the prefill, every forward pass feeds exactly one new token per row (a hook on
     the embeddings counts, in the child): nothing recomputes the prefix."""
     seed, config, prompts, new = c
     got = run("decode_feeds", config=config, seed=seed, prompts=prompts, new=new)
@@ -98,6 +98,6 @@ def tests(seed, hidden):
              hint="The cache must hold exactly what a full forward pass would see.",
              cases=draws("e7-logprobs")),
         dict(name="decode_feeds_one_token_per_live_row", points=2, seconds=60, check=one_token,
-             hint="decode must not feed the prefix again: one token per live row per step.",
+             hint="decode must not feed the prefix again: one token per row per step.",
              cases=draws("e7-one-token", public=1, secret=3)),
     ]

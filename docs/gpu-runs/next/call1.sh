@@ -1,8 +1,8 @@
 #!/bin/bash
-# The next GPU slot, call 1 of 2 (issue 34): our step compiled (rollout.compiled_step: the model's part,
+# The next GPU slot, call 1 of 2 (issue 34): our step compiled (cuda_decode.compiled_step: the model's part,
 # sampling eager), timed beside the graphed step at target 2's shape (the 7B at batch 256: 106.5 s of
 # compile and capture on an H200 on 2026-11-28, then cut by its timeout) and at SmolLM2's shape, batch 64;
-# and the graphed step with its projections joined (rollout.fuse_projections, as train.py's sampler has
+# and the graphed step with its projections joined (cuda_decode.fuse_projections, as train.py's sampler has
 # them since 2026-11-28) beside the same step unfused: the registered rule of docs/benchmarks.md decides
 # whether the sampler keeps them joined; the profile reads the registered predictions for sampling by
 # blocks and for the norms and rope in fewer kernels; compiled against graphed decides train.py's

@@ -1,0 +1,330 @@
+"""The sampler's GPU speed machinery: rollout.decode_step, the same computation, made fast.
+
+rollout.py's decode_rows wraps its forward and step at one call site with fast (as gpt-fast wraps its
+decode_one_token with torch.compile(mode="reduce-overhead")); rollout.py runs without this module
+(CPU, debugging). On a GPU a decode step is ~1,000-2,000 small kernels, each launched from Python
+in a few microseconds, while the GPU runs most of them faster than that: eagerly it waits on the
+CPU. What this module does about it, each measured in docs/benchmarks.md:
+- CUDA graphs (capture, capture_stream): the step, which reads and writes only rollout.Decoding's
+  tensors in place and never syncs with the host, is captured once per attention span and
+  replayed; the span is a multiple of rollout.SPAN_BUCKET, so one graph serves that many steps.
+- torch.compile of the step's model part (compiled_step, opt-in: train.py --compile-sampler).
+- Fused projections (fuse_projections): each layer's q/k/v and gate/up weights as one GEMM each.
+- Fewer kernels for the same formulas: RMSNorm through F.rms_norm (one fused kernel on CUDA where
+  the module runs seven; on a CPU the module's own ops, bit for bit), rope with its sign folded
+  into sin, and on q and k as one tensor where the projections are fused.
+- Attention with flash_attn_with_kvcache where flash_choice says so (CUDA, fp16 or bf16, compute
+  capability 8.0 or higher, flash-attn importable): it reads each row's own cache_seqlens slots,
+  where SDPA reads a span common to all rows. flash-attn is never imported at module level.
+- Inverse-CDF sampling by blocks of CDF_BLOCK tokens (inverse_cdf), the same tokens as rollout's
+  one float64 cumsum up to float64 rounding, for a fraction of its memory traffic.
+Every one computes what rollout.py's plain step computes: tests/test_static_decode.py,
+tests/test_cuda_paths.py (the flash branch against a CPU stand-in) and tests/test_gpu.py.
+"""
+import functools
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+import rollout
+
+CDF_BLOCK = 1024  # inverse_cdf's blocks of tokens: it sums the blocks, then cumsums inside one
+
+
+# ---------------------------------------------------------------- the one call site's wrapper
+def fast(model, compiled=False, cuda_graphs=True):
+    """(forward, step): rollout.forward and rollout.decode_step made fast, for one generate's rows
+    of `model`. forward: this module's (fused projections where fuse_projections joined them, fused
+    norms, flash-attn where flash_choice says so), for the prefill. step: the same forward and
+    inverse_cdf by blocks, compiled first with `compiled`, and on CUDA captured as a CUDA graph per
+    span and replayed (cuda_graphs=False runs it eagerly, to debug)."""
+    check_fused(model)
+    param = next(model.parameters())
+    flash = flash_choice(param.device, param.dtype)[0]
+    step = functools.partial(compiled_step() if compiled else static_step, flash=flash)
+    if not (cuda_graphs and param.is_cuda):
+        return functools.partial(forward, flash=flash), step
+    graphs, pool = {}, torch.cuda.graph_pool_handle()  # one at a time: one memory pool
+
+    def replay(model, cache, state, span):
+        span = None if flash else span  # flash reads each row's own slots: one graph for all
+        if span in graphs:
+            graphs[span].replay()
+        else:  # runs this step, then records it
+            graphs[span] = capture(lambda: step(model, cache, state, span), pool,
+                                   capture_stream(cache.k.device))
+    return functools.partial(forward, flash=flash), replay
+
+
+@torch.no_grad()
+def static_step(model, cache, state, span, flash=False, decode_fn=None):
+    """rollout.decode_step through this module's decode (or `decode_fn`, its compiled form) and
+    block inverse CDF: every row feeds its last token and samples its next one, no host sync."""
+    rollout.take((decode_fn or decode)(model, state.tokens, cache, span, flash), state,
+                 draw=inverse_cdf)
+
+
+@functools.cache
+def compiled_step(backend="inductor"):
+    """static_step with its model part (decode) compiled by torch.compile (Inductor on CUDA; the
+    tests trace it with another backend): its 28 ops a layer (joined, as on CUDA) fused into
+    fewer kernels, gpt-fast's recipe for a step whose kernels each cost more than their work (a
+    graphed SmolLM2 step: ~4 ms for ~0.1 ms of memory traffic, docs/benchmarks.md). Sampling
+    stays eager: Inductor's split scan fails to compile the top-p/inverse-CDF cumsum fused with
+    the softmax before it (pytorch#180221, "list indices must be integers or slices, not
+    NoneType", on an H200). Compiled with symbolic shapes from the first call (dynamic=True):
+    the span and the cache's length change with the prompts' lengths and max_new_tokens, and a
+    compile specialized to the first would recompile at the second with them symbolic. Opt-in
+    (generate(compiled=True); train.py --compile-sampler)."""
+    compiled_decode = torch.compile(decode, fullgraph=True, dynamic=True, backend=backend)
+    return functools.partial(static_step, decode_fn=compiled_decode)
+
+
+@functools.cache
+def capture_stream(device):
+    """The one side stream on which every capture of the process warms up and records. cuBLAS keeps
+    a workspace for each stream it has run a GEMM on (32 MiB on a Hopper card) in PyTorch's
+    allocator until the process ends: a new stream per capture held one more for each span, up to
+    PyTorch's pool of 32 streams (~1 GB)."""
+    return torch.cuda.Stream(device)
+
+
+def capture(step, pool, stream):
+    """Run step() once, eagerly on the side `stream` (the warm-up CUDA graphs need: cuBLAS
+    workspaces, kernel choices), then record it there as a CUDA graph whose replay() is the next
+    step. Why graphs pay on a GPU: a step is ~1,000-2,000 small kernels, each launched from Python
+    in a few microseconds, while the GPU runs most of them faster than that, so eagerly it waits on
+    the CPU; a replay launches the whole recorded step at once, and the step runs at the card's
+    memory bandwidth."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        step()  # recorded, not run
+    return graph
+
+
+# ---------------------------------------------------------------- the GPU's forward
+def decode(model, tokens, cache, span, flash=False):
+    """rollout.decode through this module's forward: next-token logits (rows, V), float32."""
+    hidden = forward(model, tokens[:, None], cache, span, flash)
+    return model.lm_head(hidden[:, 0]).float()
+
+
+def forward(model, input_ids, cache, span, flash=False):
+    """rollout.forward in fewer kernels: the same decoder over input_ids (n, L) for the n cache
+    rows, K/V appended after seqlens (a prefill's bucket, or a decode step). SDPA reads slots
+    0..span-1 of every row; flash (span unused) each row's own seqlens + L."""
+    base = model.model
+    n, L = input_ids.shape
+    start = cache.seqlens
+    positions = start[:, None].long() + torch.arange(L, device=input_ids.device)
+    if not flash:
+        groups = model.config.num_attention_heads // model.config.num_key_value_heads
+        bias = rollout.causal_bias(positions, span, groups, cache.k.dtype)
+    x = base.embed_tokens(input_ids).flatten(0, 1)  # (n * L, hidden): 2-D matmuls, fewer ops
+    cos, sin = base.rotary_emb(x, positions)  # the model's own rope, scaling included
+    cos, sin = cos[:, :, None], signed_sin(sin)[:, :, None]  # (n, L, 1, head_dim): over the heads
+    for i, layer in enumerate(base.layers):
+        attn = layer.self_attn
+        q, k, v = attention_inputs(attn, rms_norm(layer.input_layernorm, x), n, L, cos, sin)
+        if flash:
+            out = flash_attention(q, k, v, cache.k[i], cache.v[i], start, attn.scaling)
+        else:
+            out = rollout.sdpa_attention(q, k, v, cache.k[i], cache.v[i], positions, bias,
+                                         attn.scaling)
+        x = x + attn.o_proj(out.reshape(n * L, -1))
+        x = x + mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, x))
+    cache.seqlens += L
+    return rms_norm(base.norm, x).view(n, L, -1)
+
+
+def rms_norm(norm, x):
+    """Hugging Face's RMSNorm module `norm` applied to x, the three families' formula with its
+    normalizing in one F.rms_norm call: on CUDA one fused kernel (_fused_rms_norm) where the module
+    runs seven (to fp32, pow, mean, add, rsqrt, mul, back to x's dtype), 1.6 ms of a 12.2 ms step
+    at batch 256 of Qwen2.5-7B on an H200 (docs/benchmarks.md); on a CPU the module's own ops, the
+    same bits (torch 2.13's composite: an older one may round eps differently)."""
+    # x / sqrt(mean(x^2) + eps) in fp32, rounded to x's dtype, then times the weight
+    return norm.weight * F.rms_norm(x, x.shape[-1:], eps=norm.variance_epsilon)
+
+
+def signed_sin(sin):
+    """(-sin1, sin2) from sin = (sin1, sin2) (..., head_dim): rope's sign, folded in once a step."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rope(x, cos, sin):
+    """rollout.rope with sin from signed_sin: rotate_half(x) sin = (x2, x1) (-sin1, sin2), the
+    same numbers ((-a) b = a (-b) exactly), one kernel (the negation) less."""
+    half = x.shape[-1] // 2
+    # rope: x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1); in place, two of x's size live
+    rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1).mul_(sin)
+    return (x * cos).add_(rotated)
+
+
+def attention_inputs(attn, h, n, L, cos, sin):
+    """The layer's q (n, L, heads, head_dim), k and v (n, L, kv_heads, head_dim) from the normed
+    hidden states h (n * L, hidden): Qwen3's per-head norms and rope applied. Where
+    fuse_projections joined q, k and v (and no per-head norm comes between), q and k lie side by
+    side in the one GEMM's output and take rope as one tensor: half the rope kernels."""
+    head_dim = attn.head_dim
+    if hasattr(attn, "fused") and not hasattr(attn, "q_norm"):
+        weight, bias, sizes = attn.fused
+        qkv = F.linear(h, weight, bias).view(n, L, -1, head_dim)
+        num_q, num_qk = sizes[0] // head_dim, (sizes[0] + sizes[1]) // head_dim
+        qk = rope(qkv[:, :, :num_qk], cos, sin)
+        return qk[:, :, :num_q], qk[:, :, num_q:], qkv[:, :, num_qk:]
+    q, k, v = (t.view(n, L, -1, head_dim)
+               for t in projections(attn, ("q_proj", "k_proj", "v_proj"), h))
+    if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm on each head before rope
+        q, k = rms_norm(attn.q_norm, q), rms_norm(attn.k_norm, k)
+    return rope(q, cos, sin), rope(k, cos, sin), v
+
+
+def mlp(module, h):
+    """The three families' MLP, down(act(gate(h)) * up(h)), gate and up from one GEMM where they are
+    fused; the product in place and its factors freed before down runs, so it holds no more memory
+    than Hugging Face's own."""
+    gate, up = projections(module, ("gate_proj", "up_proj"), h)
+    hidden = module.act_fn(gate).mul_(up)
+    del gate, up
+    return module.down_proj(hidden)
+
+
+# ---------------------------------------------------------------- fused projections
+def fuse_projections(model):
+    """Join each layer's q, k and v projections into one weight, and its MLP's gate and up
+    projections into another, the separate weights becoming views into them (no second copy): a
+    decode step then runs 4 GEMMs a layer, not 7 (vLLM's QKVParallelLinear and
+    MergedColumnParallelLinear, gpt-fast's wqkv). At batch 256 of Qwen2.5-7B on an H200, k_proj's
+    and v_proj's own GEMMs ran at a tenth of the card's bandwidth (docs/benchmarks.md). Weights
+    replaced afterwards (`.to()`, a load) leave the fused ones stale: fuse again (as
+    runtime.refresh_sampler does); fast refuses a model whose fused weights are stale.
+    rollout.py's own forward reads the separate weights, views of the fused ones."""
+    for layer in model.model.layers:
+        fuse(layer.self_attn, ("q_proj", "k_proj", "v_proj"))
+        fuse(layer.mlp, ("gate_proj", "up_proj"))
+
+
+def unfuse_projections(model):
+    """Drop fuse_projections' fused weights: forward runs each projection on its own again (the
+    weights stay views of the fused ones, and keep them alive, until they are replaced)."""
+    for module in model.modules():
+        vars(module).pop("fused", None)
+
+
+@torch.no_grad()
+def fuse(module, names):
+    """module.fused = (weight, bias or None, output sizes): module's linear layers `names` side by
+    side along their outputs, each layer's weight (and bias) now a view into them."""
+    linears = [getattr(module, name) for name in names]
+    weight = torch.cat([linear.weight for linear in linears])
+    bias = None if linears[0].bias is None else torch.cat([linear.bias for linear in linears])
+    sizes = [linear.out_features for linear in linears]
+    for linear, rows in zip(linears, weight.split(sizes)):
+        linear.weight.data = rows
+    for linear, rows in zip(linears, [] if bias is None else bias.split(sizes)):
+        linear.bias.data = rows
+    module.fused = (weight, bias, sizes)
+
+
+def projections(module, names, h):
+    """module's linear layers `names` applied to h: one GEMM where fuse_projections fused them,
+    else one each."""
+    if hasattr(module, "fused"):
+        weight, bias, sizes = module.fused
+        return F.linear(h, weight, bias).split(sizes, dim=-1)
+    return [getattr(module, name)(h) for name in names]
+
+
+def check_fused(model):
+    """Refuse fused weights that are no longer those the layers hold (replaced after fusing)."""
+    for layer in model.model.layers:
+        for module, first in ((layer.self_attn, "q_proj"), (layer.mlp, "gate_proj")):
+            weight = getattr(module, first).weight
+            if hasattr(module, "fused") and (weight.untyped_storage().data_ptr()
+                                             != module.fused[0].untyped_storage().data_ptr()):
+                raise ValueError("the model's weights were replaced after fuse_projections: fuse "
+                                 "them again (cuda_decode.unfuse_projections, then "
+                                 "fuse_projections)")
+
+
+# ---------------------------------------------------------------- sampling by blocks
+def inverse_cdf(probs, uniform):
+    """rollout.inverse_cdf in two levels over a vocabulary of 16 blocks of CDF_BLOCK tokens or
+    more: the same token as one cumsum over the whole vocabulary up to float64 rounding, for a
+    fraction of its memory traffic (on a GPU that cumsum over 152,064 tokens, its float64 copy and
+    scan, took 0.54 ms of a 12.2 ms step): the blocks' sums find the block, a cumsum inside it the
+    token. Under 16 blocks, rollout's one cumsum (fewer ops). probs (n, V), uniform (n,); returns
+    (tokens (n, 1), total mass (n, 1))."""
+    n, V = probs.shape
+    if V < 16 * CDF_BLOCK:
+        return rollout.inverse_cdf(probs, uniform)
+    # whole blocks (the padding's zero mass is never drawn), and the CDF at each block's end
+    blocks = F.pad(probs, (0, -V % CDF_BLOCK)).view(n, -1, CDF_BLOCK)
+    block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # (n, blocks)
+    total = block_cdf[:, -1:]
+    target = uniform[:, None] * total
+    block = torch.searchsorted(block_cdf, target, right=True).clamp(max=block_cdf.shape[1] - 1)
+    # the mass of the blocks before it, and its own tokens
+    mass_before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp(min=0)), 0)
+    inside = blocks.gather(1, block[:, :, None].expand(n, 1, CDF_BLOCK))[:, 0]  # (n, CDF_BLOCK)
+    index = torch.searchsorted(inside.cumsum(-1, dtype=torch.float64), target - mass_before,
+                               right=True)
+    # rounding may put the target past the block's own sum: then its last token of nonzero mass
+    last = (inside > 0).cumsum(-1).argmax(-1, keepdim=True)
+    return block * CDF_BLOCK + torch.minimum(index, last), total
+
+
+# ---------------------------------------------------------------- flash-attn
+@functools.cache
+def flash_attn_status():
+    """(usable, reason): whether flash-attn imports here, probed once. A wheel built for another
+    torch or CUDA is found by find_spec but fails on import; that must show at start-up, not inside
+    the first decode after a 7B model has loaded (flash_choice reports it; generate() then uses
+    SDPA)."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return False, "flash-attn is not installed: decoding with PyTorch SDPA"
+    try:
+        from flash_attn import flash_attn_with_kvcache  # noqa: F401
+    except Exception as error:  # noqa: BLE001
+        # ImportError, OSError (undefined symbol), RuntimeError
+        message = (str(error).splitlines() or [type(error).__name__])[0]
+        return False, (f"flash-attn is installed but does not import ({message}): "
+                       "decoding with PyTorch SDPA")
+    return True, "flash-attn imports: decoding with flash_attn_with_kvcache on CUDA"
+
+
+def flash_choice(device, dtype):
+    """(use, reason): whether generate() attends with flash_attn_with_kvcache for a model on
+    `device` in `dtype`, and the one line train.py and eval.py print. flash-attn 2's kernel runs on
+    CUDA in fp16 or bf16 only, and only on compute capability 8.0 or higher (Ampere, Hopper, ...):
+    on a V100 (7.0) or T4 (7.5) it installs and imports, then refuses the first call
+    (flash_api.cpp: "FlashAttention only supports Ampere GPUs or newer"). Checked here, before any
+    model loads; then the import (flash_attn_status)."""
+    sdpa = "decoding with PyTorch SDPA"
+    if device.type != "cuda":
+        return False, f"{sdpa}: flash-attn runs on CUDA only, this device is {device.type}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return False, (f"{sdpa}: flash-attn computes in fp16 or bf16, this run in "
+                       f"{str(dtype).removeprefix('torch.')}")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return False, (f"{sdpa}: flash-attn 2 needs compute capability 8.0 or higher (Ampere or "
+                       f"newer), this GPU has {major}.{minor}")
+    return flash_attn_status()
+
+
+def flash_attention(q, k, v, k_cache, v_cache, seqlens, scale):
+    """The CUDA branch of attention: one kernel writes k, v at slots seqlens.. of each row and
+    attends causally."""
+    from flash_attn import flash_attn_with_kvcache
+
+    return flash_attn_with_kvcache(
+        q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens, softmax_scale=scale, causal=True
+    )

@@ -153,7 +153,7 @@ def decode_feeds(config, seed, prompts, new):
     rollout.decode = lambda m, tokens, *rest: (calls.append(len(tokens)),
                                                real_decode(m, tokens, *rest))[1]
     try:
-        rollout.generate(model, prompts, new, temperature=0.0)
+        rollout.generate(model, prompts, new, temperature=0.0, fast=False)  # rollout's own loop
     finally:
         rollout.decode = real_decode
         hook.remove()

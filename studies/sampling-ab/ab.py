@@ -1,12 +1,14 @@
 """The default run's sampling on a CPU, rollout.py at a commit (`--before`) against the working
 tree's, alternated, one thread: the same tokens and log-probs, and useful tokens per CPU second
-(arith's first 8 training prompts x 4, 40 new tokens, temperature 1, each side's default loop: the
-compaction loop until issue 54, the one fixed-shape loop since; SmolLM2 in fp32, unfused, as
+(arith's first 8 training prompts x 4, 40 new tokens, temperature 1, each side's default loop: on a
+CPU the compaction loop, systems/compaction.py since issue 54; SmolLM2 in fp32, unfused, as
 train.py's fp32 sampler).
 
     OMP_NUM_THREADS=1 python studies/sampling-ab/ab.py > studies/sampling-ab/output.txt
     OMP_NUM_THREADS=1 python studies/sampling-ab/ab.py --before b17f244 \
         > studies/norms-rope-cpu/output.txt
+    OMP_NUM_THREADS=1 python studies/sampling-ab/ab.py --before d8dea11 \
+        > studies/sampling-ab/reader-edition.txt
 """
 import argparse
 import sys

@@ -121,7 +121,8 @@ group.add_argument("--max-bad-steps", type=int, default=3,
                    help="stop after this many updates in a row with a non-finite loss or gradient")
 group.add_argument("--report-to", default="none", choices=report.CHOICES,
                    help="also log metrics.jsonl's rows live to TensorBoard (event files in OUT) or "
-                        "W&B (WANDB_MODE=offline: files in OUT/wandb), from rank 0 (systems/report.py)")
+                        "W&B (WANDB_MODE=offline: files in OUT/wandb), from rank 0 "
+                        "(systems/report.py)")
 group = parser.add_argument_group("system")
 group.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="compute dtype of the sampler and the gradient pass (weights and AdamW "
@@ -130,8 +131,9 @@ group.add_argument("--logprob-dtype", default="auto",
                    choices=("auto", "float32", "bf16x6", "bfloat16"),
                    help="dtype of the log-probs that feed the KL, the ratio and the loss values: "
                         "float32 = exact, bf16x6 = fp32 from six bf16 tensor-core products "
-                        "(systems/split_matmul.py), bfloat16 = the fast, noisy way; auto = bf16x6 on the "
-                        "cards where it pays (A100, H100, H200, B200: runtime.BF16X6_PAYS_ON), "
+                        "(systems/split_matmul.py), bfloat16 = the fast, noisy way; auto = bf16x6 "
+                        "on the cards where it pays (A100, H100, H200, B200: "
+                        "runtime.BF16X6_PAYS_ON), "
                         "float32 on every other card and on a CPU (docs/precision.md)")
 group.add_argument("--micro-batch", type=int, default=8,
                    help="sequences per forward/backward (the gradient does not depend on it; 8 "
@@ -168,7 +170,8 @@ def check_flags(args, world_size):
         (args.kl != "k2" or args.place in ("loss", "none"),
          "--kl k2 goes in the loss only (K2-in-loss, compared in docs/kl_gradients.md; not in the "
          "paper): in the reward it is a configuration of neither Table 1 nor sec. 3"),
-        (not args.out or not Path(args.out).is_file(), f"--out {args.out} is a file: pass a folder"),
+        (not args.out or not Path(args.out).is_file(),
+         f"--out {args.out} is a file: pass a folder"),
         (args.kl_clamp == "none" or (args.kl == "k3" and args.place in ("reward", "loss", "both")),
          "--kl-clamp verl bounds K3 in the reward or the loss only: use --kl k3 with --place "
          "reward, loss or both, or --kl-clamp none"),

@@ -6,7 +6,8 @@ by default, docs/precision.md), and under the policy with a gradient (token_logp
 train.update). Each RLOO group is one packed sequence (pack_layout): its prompt once, then each
 response in its own length, every response attending to the prompt and to its own earlier tokens,
 so a token sees exactly what it would see alone. Micro-batches keep a group whole
-(micro_batch_sizes). systems/segment_attention.py computes the same attention without the pack's dense mask.
+(micro_batch_sizes). systems/segment_attention.py computes the same attention without the pack's
+dense mask.
 """
 import contextlib
 import itertools
@@ -54,8 +55,8 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
     """log pi(y_t | x, y<t) of each response token, (B, T) in fp32, and with entropy=True the
     entropy of pi there (detached; else None: the gradient pass skips its two (B, T, vocab)
     temporaries). by_segments: attention by sequences, each response with its prompt, causal, no
-    mask (systems/segment_attention.py), the same values to float rounding (~4e-5 on SmolLM2: another order
-    of fp32 sums); a gradient pass by segments under activation checkpointing keeps
+    mask (systems/segment_attention.py), the same values to float rounding (~4e-5 on SmolLM2:
+    another order of fp32 sums); a gradient pass by segments under activation checkpointing keeps
     segment_attention.attention(model) around its backward too (the recomputation runs there).
 
     Rows with the same prompt (an RLOO group is contiguous) are packed into one sequence
@@ -86,7 +87,9 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
             allowed[j, columns, columns] = torch.ones(length, length, dtype=torch.bool,
                                                       device=device).tril()
     segments, attention = {}, contextlib.nullcontext()
-    if by_segments:  # what `allowed` allows, as each response's own sequence (systems/segment_attention.py)
+    # by_segments: what `allowed` allows, as each response's own sequence
+    # (systems/segment_attention.py)
+    if by_segments:
         segments = {"segments": segment_attention.layout(packs, P, L, device)}
         attention = segment_attention.attention(model)
     # no cast cache: each weight is used once per forward, and a cache would hold a bf16 copy of all

@@ -18,8 +18,9 @@ memory do not depend on the weights), through the trainer's own functions:
 - attention_ops_*: the attention ops one group's passes dispatch (AttentionOps), which says which SDPA
   kernel runs under the packed block mask, or whether the math fallback builds the L x L scores.
 - attention: at the 1.5B shape, the no-grad and the gradient pass with the block mask (train.py's,
-  in every pass) and by segments (systems/segment_attention.py: each response attends as its own sequence),
-  timed, with peak memory, each pass's attention ops and the log-probs' largest difference.
+  in every pass) and by segments (systems/segment_attention.py: each response attends as its
+  own sequence), timed, with peak memory, each pass's attention ops and the log-probs' largest
+  difference.
 - profile (not in the default --parts): where one group's passes spend their time at the 1.5B shape,
   torch.profiler's kernels (a CPU's ops) largest first: the gradient pass (forward and backward,
   activation checkpointing on, as train.py runs it) and the no-grad pass (train.py's --logprob-dtype
@@ -69,10 +70,10 @@ SHAPES = {
                num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
                tie_word_embeddings=False),
 }
-# dense bf16 tensor-core peaks (FLOP/s, fp32 accumulation, no sparsity), by the first of these words in
-# torch.cuda.get_device_name(): NVIDIA's datasheets (H100, H200, B200, A100, L40S, L4, A10, RTX A6000)
-# and the Ada whitepaper (RTX 4090). Order matters: "H100 PCIe" before "H100", "A100" before "A10",
-# "L40S" before "L4". A card not listed gets no MFU (None)
+# dense bf16 tensor-core peaks (FLOP/s, fp32 accumulation, no sparsity), by the first of these
+# words in torch.cuda.get_device_name(): NVIDIA's datasheets (H100, H200, B200, A100, L40S, L4, A10,
+# RTX A6000) and the Ada whitepaper (RTX 4090). Order matters: "H100 PCIe" before "H100", "A100"
+# before "A10", "L40S" before "L4". A card not listed gets no MFU (None)
 BF16_PEAK = [("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL", 835e12),
              ("H200", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12),
              ("L4", 121e12), ("RTX A6000", 155e12), ("A10", 125e12), ("RTX 4090", 165e12)]

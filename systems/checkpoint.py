@@ -181,7 +181,8 @@ def open_run(args, rank, world_size):
         ours = not (args.out / LOCK).exists()  # a lock file this run adds, to remove if it stops
         problem = lock(args.out)
         if not problem and not args.resume and any(p.name != LOCK for p in args.out.iterdir()):
-            problem = f"{args.out} is not empty: pass --resume to continue that run, or another --out"
+            problem = (f"{args.out} is not empty: pass --resume to continue that run, or another "
+                       f"--out")
             if ours:
                 unlock()
                 (args.out / LOCK).unlink()

@@ -1,4 +1,5 @@
-"""The sampler's CPU speed machinery: rollout.decode_loop's samples, finished rows leaving the batch.
+"""The sampler's CPU speed machinery: rollout.decode_loop's samples, finished rows leaving the
+batch.
 
 On a CPU, where a decode step is compute-bound, a row that emits EOS leaves the batch: the last live
 rows move into its cache slots, so the next steps run on fewer rows, and each bucket of rows

@@ -1,7 +1,7 @@
 """The sampler's GPU speed machinery: rollout.decode_step, the same computation, made fast.
 
-rollout.py's decode_rows wraps its forward and step at one call site with fast (as gpt-fast wraps its
-decode_one_token with torch.compile(mode="reduce-overhead")); rollout.py runs without this module
+rollout.py's decode_rows wraps its forward and step at one call site with fast (as gpt-fast wraps
+its decode_one_token with torch.compile(mode="reduce-overhead")); rollout.py runs without this module
 (CPU, debugging). On a GPU a decode step is ~1,000-2,000 small kernels, each launched from Python
 in a few microseconds, while the GPU runs most of them faster than that: eagerly it waits on the
 CPU. What this module does about it, each measured in docs/benchmarks.md:

@@ -118,7 +118,8 @@ def bf16x6_cannot_run(device, capability=None):
     major, minor = capability or torch.cuda.get_device_capability(device)
     if major < 8:
         return (f"--logprob-dtype bf16x6 needs bf16 tensor cores (compute capability 8.0 or "
-                f"higher); this GPU has {major}.{minor}: use --logprob-dtype float32 (auto picks it here)")
+                f"higher); this GPU has {major}.{minor}: use --logprob-dtype float32 (auto picks "
+                f"it here)")
     if not split_matmul.OUT_DTYPE:
         return (f"--logprob-dtype bf16x6 needs torch.mm's out_dtype on CUDA (torch 2.8 or later), "
                 f"this is {torch.__version__}: use --logprob-dtype float32 (auto picks it here)")

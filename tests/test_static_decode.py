@@ -452,3 +452,32 @@ def test_the_compiled_step_plumbs_through_generate(monkeypatch):
     run(True, prompts=[p + [5, 6, 7] for p in MIXED], max_new_tokens=6)  # a new span and length
     assert calls == [1, 1] and len(traces) == 1, traces
     torch._dynamo.reset()
+
+
+def test_compaction_attends_per_bucket_and_draws_by_blocks(monkeypatch):
+    """The CPU's loop (systems/compaction.py) as studies/one-loop-cpu timed it and as the default run
+    sampled before the reader's edition: each bucket of live rows (rollout.BUCKETS) reads the slots
+    of its own longest row, not the longest live row's, and tokens come from cuda_decode's inverse
+    CDF by blocks. One span for all rows had changed the default run's samples (a token in 1 of 32
+    rows in fp32)."""
+    from systems import compaction
+
+    model = tiny_model("llama3").eval()
+    spans, attention = [], rollout.sdpa_attention
+
+    def recorded(q, k, v, k_cache, v_cache, positions, bias, scale):
+        if positions.shape[1] == 1:  # a decode step's call: (its rows' new slots, the span read)
+            spans.append((positions[:, 0].tolist(), bias.shape[-1]))
+        return attention(q, k, v, k_cache, v_cache, positions, bias, scale)
+    monkeypatch.setattr(rollout, "sdpa_attention", recorded)
+    draws, blocks = [], cuda_decode.inverse_cdf
+    monkeypatch.setattr(cuda_decode, "inverse_cdf",
+                        lambda probs, uniform: draws.append(len(probs)) or blocks(probs, uniform))
+    generator = torch.Generator().manual_seed(0)
+    rollout.generate(model, MIXED, 5, eos_token_id=None, generator=generator)  # CPU: compaction
+    assert spans and len(draws) == 5, (spans, draws)
+    # each call is one bucket of the 7 live rows (at most 2 of them), reading up to its own newest
+    # slot; the buckets of one step read different spans
+    bucket = math.ceil(len(MIXED) / rollout.BUCKETS)
+    assert all(len(slots) <= bucket and span == max(slots) + 1 for slots, span in spans), spans
+    assert len({span for _, span in spans[:rollout.BUCKETS]}) > 1, spans

@@ -21,8 +21,9 @@ compile per shape); beside each, the
 HBM floor, (weights + live KV bytes read per step) / the card's measured read bandwidth, and the
 fraction of it reached. Then useful tokens/s, greedy, EOS on, SmolLM2 (the same work for every
 sampler); and the fixed-shape loop under torch.cuda.set_sync_debug_mode("error"). `--profile
-MODEL:BATCH`: where a step's time goes, each kernel's time a step from torch.profiler (ours graphed
-and eager; a CPU's ops on a CPU).
+MODEL:BATCH`: where a step's time goes, each kernel's time a step from torch.profiler (ours graphed,
+or --profile-samplers; a CPU's ops on a CPU). The HBM floor divides by one bandwidth figure:
+measured by the command, or given (--bandwidth, from --measure-bandwidth once at a run's start).
 The JSON is rewritten after each measurement, so a timeout keeps what finished. `--allow-cpu` runs
 it on a CPU, at tiny shapes unless --models says otherwise (fp32 where bf16 is emulated; wall and
 process CPU seconds; the sync check counts with a TorchDispatchMode instead).
@@ -83,7 +84,19 @@ decode.add_argument("--samplers", nargs="+", metavar="NAME",
                          "runs here); for a short GPU slot's rerun")
 decode.add_argument("--profile", nargs="*", default=[], metavar="MODEL:BATCH",
                     help="where a decode step is also profiled (torch.profiler): each kernel's "
-                         "time a step, ours graphed and eager (e.g. qwen2.5-7b:256)")
+                         "time a step of --profile-samplers (e.g. qwen2.5-7b:256)")
+decode.add_argument("--profile-samplers", nargs="+", metavar="NAME",
+                    help="the samplers --profile profiles (default: ours graphed on CUDA, the one "
+                         "the registered predictions read; ours eager on a CPU)")
+decode.add_argument("--bandwidth", type=float, metavar="GBPS",
+                    help="the read bandwidth the HBM floor divides by, measured once at the run's "
+                         "start (--measure-bandwidth), so every command of a run shares one floor "
+                         "(default: measured by this command)")
+decode.add_argument("--measure-bandwidth", action="store_true",
+                    help="print the device's read bandwidth in GB/s (one figure, for --bandwidth) "
+                         "and stop")
+decode.add_argument("--sync-check", action=argparse.BooleanOptionalAction, default=True,
+                    help="end with the fixed-shape loop under the sync check (a model load more)")
 decode.add_argument("--budget", type=float, default=390,
                     help="seconds: measurements not started by then are marked skipped")
 decode.add_argument("--out", default="decode.json", help="the JSON report")
@@ -101,8 +114,8 @@ from lab.bench_train import SHAPES as QWEN_SHAPES  # noqa: E402
 if args.threads:
     torch.set_num_threads(args.threads)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-DEVICE = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.decode
-                      else args.device)
+DEVICE = torch.device(("cuda" if torch.cuda.is_available() else "cpu")
+                      if args.decode or args.measure_bandwidth else args.device)
 # device work is asynchronous: a timer reads the clock after the device has finished
 sync = torch.cuda.synchronize if DEVICE.type == "cuda" else (lambda: None)
 
@@ -541,10 +554,10 @@ def sync_part(name, rows, dtype):
 def profile_part(name, rows, n1, n2, prompt_len, dtype, report, write):
     """Where a decode step's time goes: torch.profiler over whole generate calls of n1 and of n2
     new tokens, each kernel's (or on a CPU each op's) own time in the second minus the first over
-    n2 - n1, so the prefill cancels; ours graphed (its kernels inside the replayed graph; a call
-    captures a graph per span bucket, so the difference keeps the warm-up step of the buckets only
-    the longer call reaches, about one step in n2 - n1) and eager on CUDA, eager on a CPU; every
-    kernel of each, largest first, appended to report."""
+    n2 - n1, so the prefill cancels; --profile-samplers (default ours graphed on CUDA: its
+    kernels inside the replayed graph; a call captures a graph per span bucket, so the difference
+    keeps the warm-up step of the buckets only the longer call reaches, about one step in n2 - n1;
+    ours eager on a CPU); every kernel of each, largest first, appended to report."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = DEVICE.type == "cuda"
@@ -555,7 +568,8 @@ def profile_part(name, rows, n1, n2, prompt_len, dtype, report, write):
     def own_us(event):  # the kernel's own device time, or the op's own CPU time
         return event.self_device_time_total if cuda else event.self_cpu_time_total
 
-    for sampler in [s for s in ("ours graphed", "ours eager") if s in runs]:
+    chosen = args.profile_samplers or (["ours graphed"] if cuda else ["ours eager"])
+    for sampler in [s for s in chosen if s in runs]:
         fn, totals = runs[sampler], []
         fn(n2, 1000)  # warm: kernels, the graph's capture at the longest span
         for n in (n1, n2):
@@ -596,10 +610,13 @@ def decode_benchmark():
     batches = args.batches or ([64, 256] if cuda else [4])
     n1, n2 = args.steps or ((16, 96) if cuda else (4, 12))
     prompt_len = args.prompt_len or (128 if cuda else 16)
-    bandwidth = read_bandwidth(megabytes=2048 if cuda else 512)
+    measured = args.bandwidth is None
+    bandwidth = read_bandwidth(megabytes=2048 if cuda else 512) if measured else args.bandwidth * 1e9
     report = dict(device=torch.cuda.get_device_name() if cuda else "cpu", dtype=str(dtype),
                   torch=torch.__version__, threads=torch.get_num_threads(),
-                  read_bandwidth_GBps=bandwidth / 1e9, steps=[n1, n2], prompt_len=prompt_len,
+                  read_bandwidth_GBps=bandwidth / 1e9,
+                  read_bandwidth_from="this command" if measured else "--bandwidth",
+                  steps=[n1, n2], prompt_len=prompt_len,
                   flash=flash_choice(DEVICE, dtype)[1], step_ms=[], eos_on=[], profile=[],
                   syncs=None, skipped=[])
 
@@ -608,7 +625,8 @@ def decode_benchmark():
         partial = Path(f"{args.out}.partial")  # then renamed: a kill never leaves half a file
         partial.write_text(json.dumps(report, indent=1) + "\n")
         partial.replace(args.out)
-    print(f"{report['device']}, {dtype}, read bandwidth {bandwidth / 1e9:.0f} GB/s, "
+    print(f"{report['device']}, {dtype}, read bandwidth {bandwidth / 1e9:.0f} GB/s "
+          f"({report['read_bandwidth_from']}), "
           f"{report['flash']}; prompts of {prompt_len} tokens, steps {n1} to {n2}; "
           f"HBM floor = (weights + live KV) / read bandwidth", flush=True)
     # the targets' shapes first (SmolLM2 at the first batch, the largest model at the largest),
@@ -620,7 +638,8 @@ def decode_benchmark():
     plan += [("eos", models[0], batches[0])] if args.eos_tokens != 0 else []
     plan += [("profile", m, int(b)) for m, b in (shape.split(":") for shape in args.profile)]
     # the sync check last: an error raised inside a graph capture can leave CUDA unusable
-    plan += [("step", m, b) for m, b in order[first:]] + [("sync", models[0], batches[0])]
+    plan += [("step", m, b) for m, b in order[first:]]
+    plan += [("sync", models[0], batches[0])] if args.sync_check else []
     for part, name, rows in plan:
         if over_budget():
             report["skipped"].append(f"{part} {name} batch {rows}: over --budget")
@@ -649,6 +668,9 @@ def decode_benchmark():
 
 if args.memory_probe:
     memory_probe(args.memory_probe[0], int(args.memory_probe[1]))
+    sys.exit()
+if args.measure_bandwidth:  # one figure for a run's commands (--bandwidth)
+    print(f"{read_bandwidth(megabytes=2048 if DEVICE.type == 'cuda' else 512) / 1e9:.1f}")
     sys.exit()
 if args.decode:
     sys.exit(decode_benchmark())

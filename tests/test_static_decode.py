@@ -386,9 +386,24 @@ def test_bench_decode_runs_on_a_cpu(tmp_path):
     command[command.index("--eos-tokens") + 1] = "0"
     subprocess.run([sys.executable, "-m", "lab.bench_rollout", *command[:-2], "--samplers",
                     "ours eager", "hf eager"], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    first = report
     report = json.loads(out.read_text())
     assert report["eos_on"] == [] and report["syncs"]["ok"], report
     assert [row["sampler"] for row in report["step_ms"]] == ["ours eager", "hf eager"], report
+    # one bandwidth for a run's commands: --measure-bandwidth prints it, --bandwidth divides by it
+    # (the floor moves with the figure alone); --no-sync-check: no sync part
+    measured = subprocess.run([sys.executable, "-m", "lab.bench_rollout", "--measure-bandwidth"],
+                              cwd=ROOT, check=True, capture_output=True, text=True, timeout=300)
+    assert float(measured.stdout) > 0, measured.stdout
+    subprocess.run([sys.executable, "-m", "lab.bench_rollout", *command[:-2], "--samplers",
+                    "ours eager", "--bandwidth", "2.5", "--no-sync-check"], cwd=ROOT, check=True,
+                   capture_output=True, timeout=300)
+    report = json.loads(out.read_text())
+    assert report["read_bandwidth_GBps"] == 2.5 and report["read_bandwidth_from"] == "--bandwidth"
+    assert report["syncs"] is None and report["skipped"] == [], report
+    (row,) = report["step_ms"]
+    before = next(r for r in first["step_ms"] if r["sampler"] == "ours eager")
+    assert row["floor_ms"] == pytest.approx(before["floor_ms"] * first["read_bandwidth_GBps"] / 2.5)
 
 
 def test_bench_decode_writes_each_repeat_as_it_goes(tmp_path):

@@ -8,7 +8,8 @@ CPU. What this module does about it, each measured in docs/benchmarks.md:
 - CUDA graphs (capture, capture_stream): the step, which reads and writes only rollout.Decoding's
   tensors in place and never syncs with the host, is captured once per attention span and
   replayed; the span is a multiple of rollout.SPAN_BUCKET, so one graph serves that many steps.
-- torch.compile of the step's model part (compiled_step, opt-in: train.py --compile-sampler).
+- torch.compile of the step's decoder layers, regionally: one layer's graph, compiled once, runs
+  every layer (compiled_step, opt-in: train.py --compile-sampler).
 - Fused projections (fuse_projections): each layer's q/k/v and gate/up weights as one GEMM each.
 - Fewer kernels for the same formulas: RMSNorm through F.rms_norm (one fused kernel on CUDA where
   the module runs seven; on a CPU the module's own ops, bit for bit), rope with its sign folded
@@ -68,21 +69,29 @@ def static_step(model, cache, state, span, flash=False, layer_fn=None):
 
 @functools.cache
 def compiled_step(backend="inductor"):
-    """static_step with its model part (decode) compiled by torch.compile (Inductor on CUDA; the
-    tests trace it with another backend): its 28 ops a layer (joined, as on CUDA) fused into
-    fewer kernels, gpt-fast's recipe for a step whose kernels each cost more than their work (a
-    graphed SmolLM2 step: ~4 ms for ~0.1 ms of memory traffic, docs/benchmarks.md). Sampling
-    stays eager: Inductor's split scan fails to compile the top-p/inverse-CDF cumsum fused with
-    the softmax before it (pytorch#180221, "list indices must be integers or slices, not
-    NoneType", on an H200). Compiled with symbolic shapes from the first call (dynamic=True):
-    the span and the cache's length change with the prompts' lengths and max_new_tokens, and a
-    compile specialized to the first would recompile at the second with them symbolic. Opt-in
-    (generate(compiled=True); train.py --compile-sampler)."""
+    """static_step with its decoder layers compiled by torch.compile (Inductor on CUDA; the tests
+    trace it with other backends), regionally: decoder_layer is compiled once, and that one graph
+    runs every layer, the layer's weights being its inputs (PyTorch's recipe "Reducing
+    torch.compile cold start compilation time with regional compilation"). At SmolLM2's shape,
+    Inductor on one thread of a shared CPU, its first step took 38 and 39 s, against 333 and 376 s
+    for the whole decode as one graph, every layer unrolled (lab/compile_decode.py; its warm-up
+    took 106.5 s at the 7B shape on an H200, 2026-11-28). Its 28 ops a layer (joined, as on CUDA)
+    fuse into fewer kernels, gpt-fast's recipe for a step whose kernels each cost more than their
+    work (a graphed SmolLM2 step: ~4 ms for ~0.1 ms of memory traffic, docs/benchmarks.md). The
+    rest of the step, run once a step, stays eager, sampling included: Inductor's split scan fails
+    to compile the top-p/inverse-CDF cumsum fused with the softmax before it (pytorch#180221, "list
+    indices must be integers or slices, not NoneType", on an H200). Symbolic shapes from the first
+    call (dynamic=True): the rows, the span and the cache's length change from call to call in a
+    run, and a compile specialized to the first would compile again; a chunk of one row compiles
+    once more (PyTorch specializes sizes 0 and 1). Opt-in (generate(compiled=True); train.py
+    --compile-sampler)."""
+    from torch.fx.experimental import _config as shapes_config
+
     layer = torch.compile(decoder_layer, fullgraph=True, dynamic=True, backend=backend)
     # each size its own symbol, though two be equal at the first call (span = max_len: duck sizing
     # would tie them, and compile again at the first span below max_len); the norms' eps and
     # attention's scale as constants (symbolic, the graph would read each from a tensor)
-    layer = torch.fx.experimental._config.patch(use_duck_shape=False)(layer)
+    layer = shapes_config.patch(use_duck_shape=False)(layer)
     layer = torch._dynamo.config.patch(specialize_float=True)(layer)
     return functools.partial(static_step, layer_fn=layer)
 

@@ -419,11 +419,10 @@ def test_bench_decode_writes_each_repeat_as_it_goes(tmp_path):
 
 def test_the_compiled_step_plumbs_through_generate(monkeypatch):
     """generate(compiled=True) runs cuda_decode.compiled_step in the decode loop (traced here with a
-    backend that runs the traced graph as it is: Inductor is for a GPU), whose compiled graph is the
-    model's part without the sampler, and samples what the plain step samples; generate
-    (fast=False), rollout's own step, ignores it. One trace serves every span and cache length
-    (other prompts and max_new_tokens): a specialized compile would trace again, a minute each on a
-    GPU."""
+    backend that runs the traced graph as it is: Inductor is for a GPU), whose compiled graph is one
+    decoder layer's, without the sampler, run for both layers, and samples what the plain step
+    samples; generate (fast=False), rollout's own step, ignores it. One trace serves every span and
+    cache length (other prompts and max_new_tokens): a specialized compile would trace again."""
     model = tiny_model("qwen3")
     torch._dynamo.reset()
     calls, traces = [], []
@@ -538,9 +537,9 @@ def test_the_compiled_step_never_waits_for_the_host(family):
 
 
 def test_inductor_compiles_the_layer_on_a_cpu():
-    """Inductor itself (C++ kernels on a CPU; ~15 s for its one graph on a shared core): the
-    compiled step samples the plain step's tokens, log-probs up to Inductor's float rounding, at
-    two calls of other lengths and rows, from one compile."""
+    """Inductor itself (C++ kernels on a CPU; its one graph took 26 s on a shared core, 7 s from
+    Inductor's cache): the compiled step samples the plain step's tokens, log-probs up to
+    Inductor's float rounding, at two calls of other lengths and rows, from one compile."""
     from torch._inductor.compile_fx import compile_fx
 
     model = lively(tiny_model("llama3"))

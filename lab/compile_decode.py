@@ -29,8 +29,6 @@ SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9,
 
 def one(kind):
     """Compile the step `kind` and return its figures (in this process)."""
-    import functools
-
     import torch
     from torch._dynamo.utils import counters
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -52,7 +50,7 @@ def one(kind):
             rollout.take(whole(model, state.tokens, cache, span), state,
                          draw=cuda_decode.inverse_cdf)
     prompts = [[5 + row, 6, 7, 8] * (1 + row % 3) for row in range(args.rows)]
-    cache, logits, _ = rollout.prefilled(model, prompts, 8, functools.partial(cuda_decode.forward))
+    cache, logits, _ = rollout.prefilled(model, prompts, 8, cuda_decode.forward)
     state = rollout.new_decoding(torch.rand(args.rows, 8, dtype=torch.float64),
                                  torch.tensor([], dtype=torch.long), 1.0, 1.0)
     rollout.take(logits, state)

@@ -10,6 +10,9 @@ Llama, Qwen2 and Qwen3 models in fp32 (test_rollout.py's):
   per rollout.ALL_DONE_EVERY steps over a whole generate (counted with a TorchDispatchMode); the
   cache's and the step's tensors keep their addresses; torch.compile(fullgraph=True) traces the
   step without a graph break (backend "eager": it only traces);
+- the compiled step (cuda_decode.compiled_step, one decoder layer compiled for every layer): one
+  graph over a train.py-shaped run of generate calls, no sync inside it, and with Inductor the
+  plain step's samples;
 - the step's aten ops no more than Hugging Face generate's per step.
 The flash branch of the loop runs in test_cuda_paths.py (the stand-in), the graphs in test_gpu.py,
 the benchmark's CPU run in test_bench_decode below.
@@ -537,27 +540,24 @@ def test_the_compiled_step_never_waits_for_the_host(family):
 
 
 def test_inductor_compiles_the_layer_on_a_cpu():
-    """Inductor itself (C++ kernels on a CPU; its one graph took 26 s on a shared core, 7 s from
-    Inductor's cache): the compiled step samples the plain step's tokens, log-probs up to
-    Inductor's float rounding, at two calls of other lengths and rows, from one compile."""
-    from torch._inductor.compile_fx import compile_fx
+    """Inductor itself, as train.py --compile-sampler runs it (C++ kernels on a CPU; its one graph
+    took 26 s on a shared core, 7 s from Inductor's cache): generate(compiled=True) samples the
+    plain step's tokens, log-probs up to Inductor's float rounding, at two calls of other lengths
+    and rows, from one compile."""
+    from torch._dynamo.utils import counters
 
     model = lively(tiny_model("llama3"))
     cuda_decode.fuse_projections(model)
     torch._dynamo.reset()
-    graphs = []
-    step = cuda_decode.compiled_step(graph_counter(graphs, compile_fx))
+    counters.clear()
     for prompts, max_new_tokens in ((MIXED, 10), ([p + [5, 6, 7] for p in MIXED[:4]], 6)):
-        samples = []
-        for use in (cuda_decode.static_step, step):
-            cache, state, span = started(model, prompts, max_new_tokens, eos=[3], top_p=0.8)
-            for _ in range(max_new_tokens - 1):
-                use(model, cache, state, span)
-            samples.append(state)
-        plain, compiled = samples
-        assert torch.equal(plain.tokens_out, compiled.tokens_out)
-        torch.testing.assert_close(plain.logprobs_out, compiled.logprobs_out)
-    assert len(graphs) == 1
+        plain, compiled = (rollout.generate(model, prompts, max_new_tokens, 1.0, 0.8,
+                                            eos_token_id=[3], fast=True, compiled=compiled,
+                                            generator=torch.Generator().manual_seed(3))
+                           for compiled in (False, True))
+        assert plain.response_ids == compiled.response_ids
+        torch.testing.assert_close(plain.token_logprobs, compiled.token_logprobs)
+    assert counters["stats"]["unique_graphs"] == 1
     torch._dynamo.reset()
 
 

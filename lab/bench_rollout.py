@@ -75,7 +75,8 @@ decode.add_argument("--hf-compiled", nargs="*", default=["smollm2-135m:64"], met
 decode.add_argument("--ours-compiled", nargs="*", default=["smollm2-135m:64"],
                     metavar="MODEL:BATCH",
                     help="where ours also runs with its step compiled by torch.compile before the "
-                         "capture (cuda_decode.compiled_step; CUDA only; a compile a shape)")
+                         "capture (cuda_decode.compiled_step: one decoder layer, a compile a "
+                         "shape; on a CPU without the capture)")
 decode.add_argument("--samplers", nargs="+", metavar="NAME",
                     choices=("ours graphed", "ours unfused", "ours compiled", "ours eager",
                              "ours plain", "ours compaction",
@@ -351,7 +352,7 @@ def decode_samplers(model, name, prompts, eos=None, temperature=1.0, compiled=Fa
     runs = {"ours graphed": ours(True)} if cuda else {}
     if cuda and hasattr(model.model.layers[0].self_attn, "fused"):
         runs["ours unfused"] = ours(True, fused=False)  # the same, a GEMM per projection
-    if cuda and ours_compiled:
+    if ours_compiled:  # on a CPU too, where --ours-compiled names the shape
         runs["ours compiled"] = ours(True, compiled_step=True)
     if not cuda:  # a CPU's default loop (systems/compaction.py)
         runs["ours compaction"] = ours(None)
@@ -381,16 +382,21 @@ def warm(runs, n, longest, report):
     dropped, and the report says why. Returns the warm-up seconds of those kept. The compiled
     model.generate warms up at the longest length: its static cache keeps the longest length seen,
     so the timed calls meet no new shape; our compiled step at both (a new length is a new cache
-    shape: its graphs are captured anew, and a compile that specialized would recompile)."""
-    seconds = {}
+    shape: its graphs are captured anew, and a compile that specialized would recompile). Also
+    returns the graphs torch.compile compiled in each (ours compiled: 1, its decoder layer)."""
+    from torch._dynamo.utils import counters
+
+    seconds, graphs = {}, {}
     for name, fn in list(runs.items()):
         lengths = {"ours compiled": (longest, n), "hf static+compile": (longest,)}.get(name, (n,))
+        before = counters["stats"]["unique_graphs"]
         try:
             seconds[name] = sum(timed(fn, length, 1000)[0] for length in lengths)
         except Exception as error:  # noqa: BLE001  (e.g. a compile that fails here)
             report.append(dict(sampler=name, status=f"failed: {str(error).splitlines()[0]}"))
             del runs[name]
-    return seconds
+        graphs[name] = counters["stats"]["unique_graphs"] - before
+    return seconds, graphs
 
 
 def median(values):
@@ -412,7 +418,7 @@ def step_part(name, rows, n1, n2, prompt_len, dtype, bandwidth, report, write):
                            ours_compiled=f"{name}:{rows}" in args.ours_compiled)
     runs = {sampler: run for sampler, run in runs.items() if sampler in (args.samplers or runs)}
     failed = []
-    warmup = warm(runs, n1, n2, failed)
+    warmup, graphs = warm(runs, n1, n2, failed)
     span = prompt_len + (n1 + n2) / 2  # live slots of a row, averaged over the timed steps
     floor_ms = floor_bytes(model, rows, span) / bandwidth * 1e3
 
@@ -422,7 +428,8 @@ def step_part(name, rows, n1, n2, prompt_len, dtype, bandwidth, report, write):
     # a row per sampler now, its median over the repeats so far: a timeout keeps what finished
     rows_of = {sampler: dict(model=name, real_weights=real, batch=rows, sampler=sampler, ms=None,
                              ms_repeats=[], cpu_ms=None, cpu_ms_repeats=[], floor_ms=floor_ms,
-                             floor_fraction=None, warmup_s=warmup[sampler]) for sampler in runs}
+                             floor_fraction=None, warmup_s=warmup[sampler],
+                             compiled_graphs=graphs[sampler]) for sampler in runs}
     report += rows_of.values()
     write()
 

@@ -8,7 +8,8 @@ CPU. What this module does about it, each measured in docs/benchmarks.md:
 - CUDA graphs (capture, capture_stream): the step, which reads and writes only rollout.Decoding's
   tensors in place and never syncs with the host, is captured once per attention span and
   replayed; the span is a multiple of rollout.SPAN_BUCKET, so one graph serves that many steps.
-- torch.compile of the step's model part (compiled_step, opt-in: train.py --compile-sampler).
+- torch.compile of the step's decoder layers, regionally: one layer's graph, compiled once, runs
+  every layer (compiled_step, opt-in: train.py --compile-sampler).
 - Fused projections (fuse_projections): each layer's q/k/v and gate/up weights as one GEMM each.
 - Fewer kernels for the same formulas: RMSNorm through F.rms_norm (one fused kernel on CUDA where
   the module runs seven; on a CPU the module's own ops, bit for bit), rope with its sign folded
@@ -58,27 +59,41 @@ def fast(model, compiled=False, cuda_graphs=True):
 
 
 @torch.no_grad()
-def static_step(model, cache, state, span, flash=False, decode_fn=None):
-    """rollout.decode_step through this module's decode (or `decode_fn`, its compiled form) and
-    block inverse CDF: every row feeds its last token and samples its next one, no host sync."""
-    rollout.take((decode_fn or decode)(model, state.tokens, cache, span, flash), state,
+def static_step(model, cache, state, span, flash=False, layer_fn=None):
+    """rollout.decode_step through this module's decode (its layers through `layer_fn`, the
+    compiled decoder_layer, where given) and block inverse CDF: every row feeds its last token and
+    samples its next one, no host sync."""
+    rollout.take(decode(model, state.tokens, cache, span, flash, layer_fn), state,
                  draw=inverse_cdf)
 
 
 @functools.cache
 def compiled_step(backend="inductor"):
-    """static_step with its model part (decode) compiled by torch.compile (Inductor on CUDA; the
-    tests trace it with another backend): its 28 ops a layer (joined, as on CUDA) fused into
-    fewer kernels, gpt-fast's recipe for a step whose kernels each cost more than their work (a
-    graphed SmolLM2 step: ~4 ms for ~0.1 ms of memory traffic, docs/benchmarks.md). Sampling
-    stays eager: Inductor's split scan fails to compile the top-p/inverse-CDF cumsum fused with
-    the softmax before it (pytorch#180221, "list indices must be integers or slices, not
-    NoneType", on an H200). Compiled with symbolic shapes from the first call (dynamic=True):
-    the span and the cache's length change with the prompts' lengths and max_new_tokens, and a
-    compile specialized to the first would recompile at the second with them symbolic. Opt-in
-    (generate(compiled=True); train.py --compile-sampler)."""
-    compiled_decode = torch.compile(decode, fullgraph=True, dynamic=True, backend=backend)
-    return functools.partial(static_step, decode_fn=compiled_decode)
+    """static_step with its decoder layers compiled by torch.compile (Inductor on CUDA; the tests
+    trace it with other backends), regionally: decoder_layer is compiled once, and that one graph
+    runs every layer, the layer's weights being its inputs (PyTorch's recipe "Reducing
+    torch.compile cold start compilation time with regional compilation"). At SmolLM2's shape,
+    Inductor on one thread of a shared CPU, its first step took 38 and 39 s, against 333 and 376 s
+    for the whole decode as one graph, every layer unrolled (lab/compile_decode.py; its warm-up
+    took 106.5 s at the 7B shape on an H200, 2026-11-28). Its 28 ops a layer (joined, as on CUDA)
+    fuse into fewer kernels, gpt-fast's recipe for a step whose kernels each cost more than their
+    work (a graphed SmolLM2 step: ~4 ms for ~0.1 ms of memory traffic, docs/benchmarks.md). The
+    rest of the step, run once a step, stays eager, sampling included: Inductor's split scan fails
+    to compile the top-p/inverse-CDF cumsum fused with the softmax before it (pytorch#180221, "list
+    indices must be integers or slices, not NoneType", on an H200). Symbolic shapes from the first
+    call (dynamic=True): the rows, the span and the cache's length change from call to call in a
+    run, and a compile specialized to the first would compile again; a chunk of one row compiles
+    once more (PyTorch specializes sizes 0 and 1). Opt-in (generate(compiled=True); train.py
+    --compile-sampler)."""
+    from torch.fx.experimental import _config as shapes_config
+
+    layer = torch.compile(decoder_layer, fullgraph=True, dynamic=True, backend=backend)
+    # each size its own symbol, though two be equal at the first call (span = max_len: duck sizing
+    # would tie them, and compile again at the first span below max_len); the norms' eps and
+    # attention's scale as constants (symbolic, the graph would read each from a tensor)
+    layer = shapes_config.patch(use_duck_shape=False)(layer)
+    layer = torch._dynamo.config.patch(specialize_float=True)(layer)
+    return functools.partial(static_step, layer_fn=layer)
 
 
 @functools.cache
@@ -108,38 +123,50 @@ def capture(step, pool, stream):
 
 
 # ---------------------------------------------------------------- the GPU's forward
-def decode(model, tokens, cache, span, flash=False):
+def decode(model, tokens, cache, span, flash=False, layer_fn=None):
     """rollout.decode through this module's forward: next-token logits (rows, V), float32."""
-    hidden = forward(model, tokens[:, None], cache, span, flash)
+    hidden = forward(model, tokens[:, None], cache, span, flash, layer_fn)
     return model.lm_head(hidden[:, 0]).float()
 
 
-def forward(model, input_ids, cache, span, flash=False):
+def forward(model, input_ids, cache, span, flash=False, layer_fn=None):
     """rollout.forward in fewer kernels: the same decoder over input_ids (n, L) for the n cache
     rows, K/V appended after seqlens (a prefill's bucket, or a decode step). SDPA reads slots
-    0..span-1 of every row; flash (span unused) each row's own seqlens + L."""
+    0..span-1 of every row; flash (span unused) each row's own seqlens + L. Each layer runs
+    decoder_layer, or `layer_fn`, its compiled form (compiled_step)."""
     base = model.model
     n, L = input_ids.shape
     start = cache.seqlens
     positions = start[:, None].long() + torch.arange(L, device=input_ids.device)
+    bias = None
     if not flash:
         groups = model.config.num_attention_heads // model.config.num_key_value_heads
         bias = rollout.causal_bias(positions, span, groups, cache.k.dtype)
-    x = base.embed_tokens(input_ids).flatten(0, 1)  # (n * L, hidden): 2-D matmuls, fewer ops
+    # (n * L, hidden): 2-D matmuls, fewer ops; not a view (each layer's x is its own tensor)
+    x = base.embed_tokens(input_ids.flatten())
     cos, sin = base.rotary_emb(x, positions)  # the model's own rope, scaling included
     cos, sin = cos[:, :, None], signed_sin(sin)[:, :, None]  # (n, L, 1, head_dim): over the heads
     for i, layer in enumerate(base.layers):
-        attn = layer.self_attn
-        q, k, v = attention_inputs(attn, rms_norm(layer.input_layernorm, x), n, L, cos, sin)
-        if flash:
-            out = flash_attention(q, k, v, cache.k[i], cache.v[i], start, attn.scaling)
-        else:
-            out = rollout.sdpa_attention(q, k, v, cache.k[i], cache.v[i], positions, bias,
-                                         attn.scaling)
-        x = x + attn.o_proj(out.reshape(n * L, -1))
-        x = x + mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, x))
+        x = (layer_fn or decoder_layer)(layer, x, cache.k[i], cache.v[i], start, positions, cos,
+                                        sin, bias, flash)
     cache.seqlens += L
     return rms_norm(base.norm, x).view(n, L, -1)
+
+
+def decoder_layer(layer, x, k_cache, v_cache, start, positions, cos, sin, bias, flash=False):
+    """One decoder layer on the hidden states x (n * L, hidden) of positions (n, L): attention,
+    its K/V written into this layer's cache rows k_cache, v_cache (n, max_len, kv_heads,
+    head_dim) after start (seqlens), then the MLP, each with its residual. The unit compiled_step
+    compiles, once for every layer."""
+    n, L = positions.shape
+    attn = layer.self_attn
+    q, k, v = attention_inputs(attn, rms_norm(layer.input_layernorm, x), n, L, cos, sin)
+    if flash:
+        out = flash_attention(q, k, v, k_cache, v_cache, start, attn.scaling)
+    else:
+        out = rollout.sdpa_attention(q, k, v, k_cache, v_cache, positions, bias, attn.scaling)
+    x = x + attn.o_proj(out.reshape(n * L, -1))
+    return x + mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, x))
 
 
 def rms_norm(norm, x):

@@ -10,11 +10,15 @@ Llama, Qwen2 and Qwen3 models in fp32 (test_rollout.py's):
   per rollout.ALL_DONE_EVERY steps over a whole generate (counted with a TorchDispatchMode); the
   cache's and the step's tensors keep their addresses; torch.compile(fullgraph=True) traces the
   step without a graph break (backend "eager": it only traces);
+- the compiled step (cuda_decode.compiled_step, one decoder layer compiled for every layer): one
+  graph over a train.py-shaped run of generate calls, no sync inside it, and with Inductor the
+  plain step's samples;
 - the step's aten ops no more than Hugging Face generate's per step.
 The flash branch of the loop runs in test_cuda_paths.py (the stand-in), the graphs in test_gpu.py,
 the benchmark's CPU run in test_bench_decode below.
 """
 import dataclasses
+import functools
 import json
 import math
 import subprocess
@@ -433,11 +437,10 @@ def test_bench_decode_writes_each_repeat_as_it_goes(tmp_path):
 
 def test_the_compiled_step_plumbs_through_generate(monkeypatch):
     """generate(compiled=True) runs cuda_decode.compiled_step in the decode loop (traced here with a
-    backend that runs the traced graph as it is: Inductor is for a GPU), whose compiled graph is the
-    model's part without the sampler, and samples what the plain step samples; generate
-    (fast=False), rollout's own step, ignores it. One trace serves every span and cache length
-    (other prompts and max_new_tokens): a specialized compile would trace again, a minute each on a
-    GPU."""
+    backend that runs the traced graph as it is: Inductor is for a GPU), whose compiled graph is one
+    decoder layer's, without the sampler, run for both layers, and samples what the plain step
+    samples; generate (fast=False), rollout's own step, ignores it. One trace serves every span and
+    cache length (other prompts and max_new_tokens): a specialized compile would trace again."""
     model = tiny_model("qwen3")
     torch._dynamo.reset()
     calls, traces = [], []
@@ -466,6 +469,110 @@ def test_the_compiled_step_plumbs_through_generate(monkeypatch):
     assert calls == [1]
     run(True, prompts=[p + [5, 6, 7] for p in MIXED], max_new_tokens=6)  # a new span and length
     assert calls == [1, 1] and len(traces) == 1, traces
+    torch._dynamo.reset()
+
+
+def graph_counter(graphs, backend=None, ops=None):
+    """A torch.compile backend that appends each graph it is given to `graphs` and runs it with
+    `backend` (torch._inductor's compile_fx, say), or as traced; `ops`: a list that gets, for each
+    run of the graph, an AtenOps of the ops it ran (Dynamo runs no compiled code under a dispatch
+    mode, so the counter runs inside the graph)."""
+    def compile_graph(graph_module, example_inputs):
+        graphs.append(graph_module.code)
+        run = backend(graph_module, example_inputs) if backend else graph_module.forward
+        if ops is None:
+            return run
+
+        def counted(*args):
+            with AtenOps() as counter:
+                out = run(*args)
+            ops.append(counter)
+            return out
+        return counted
+    return compile_graph
+
+
+def test_the_compiled_step_compiles_once_in_a_train_run(monkeypatch):
+    """train.py --compile-sampler compiles one decoder layer once, for every layer of every
+    generate call of a run (cuda_decode.compiled_step, a regional compile): the calls differ in
+    their prompts' lengths (the cache's length), in rows (--generate-rows auto chunks a step's
+    rows by the memory free then), and their spans run from rollout.SPAN_BUCKET up to the cache's
+    length (max_new_tokens above SPAN_BUCKET, as train.py's 1,024: span below max_len) or sit at
+    it from the first step (short responses). A compile per layer, per span, per length or per
+    row count would show as a second graph: each a minute or more at the 7B shape on a GPU. Each
+    call samples what the plain step samples. The projections joined, as train.py's sampler on a
+    GPU has them."""
+    model = lively(tiny_model("qwen2"))
+    cuda_decode.fuse_projections(model)
+    torch._dynamo.reset()
+    graphs = []
+    monkeypatch.setattr(cuda_decode, "compiled_step",
+                        functools.partial(cuda_decode.compiled_step, graph_counter(graphs)))
+    spans, fast = set(), cuda_decode.fast
+
+    def recorded(model, compiled, cuda_graphs):  # which spans the steps read
+        forward, step = fast(model, compiled, cuda_graphs)
+
+        def record(model, cache, state, span):
+            spans.add("below max_len" if span < cache.k.shape[2] else "max_len")
+            step(model, cache, state, span)
+        return forward, record
+    monkeypatch.setattr(cuda_decode, "fast", recorded)
+    calls = [  # (prompts: a step's problems, each G = 2 times; max_new_tokens; EOS; max_rows)
+        ([p for p in MIXED[:3] for _ in range(2)], 20, [3], None),  # span = max_len from step 1
+        ([p + [9] * 5 for p in MIXED[2:5] for _ in range(2)], 140, None, None),  # 128, max_len
+        ([p for p in MIXED[1:] for _ in range(2)], 140, None, 5),  # chunks of 5, 5 and 2 rows
+    ]
+    for prompts, max_new_tokens, eos, max_rows in calls:
+        plain, compiled = (rollout.generate(model, prompts, max_new_tokens, 1.0, 0.8,
+                                            eos_token_id=eos, max_rows=max_rows, fast=True,
+                                            generator=torch.Generator().manual_seed(2),
+                                            compiled=compiled)
+                           for compiled in (False, True))
+        assert plain.response_ids == compiled.response_ids
+        torch.testing.assert_close(plain.token_logprobs, compiled.token_logprobs)
+    assert spans == {"below max_len", "max_len"}, spans
+    assert len(graphs) == 1, f"{len(graphs)} graphs compiled"
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_compiled_step_never_waits_for_the_host(family):
+    """No sync in the compiled layer's graph, counted as it runs (graph_counter), sampled with
+    top-p and EOS on: the graph every layer of the compiled step runs; the rest of the step is
+    static_step's own code (test_a_step_never_waits_for_the_host)."""
+    model = lively(tiny_model(family))
+    cuda_decode.fuse_projections(model)
+    torch._dynamo.reset()
+    graphs, ops = [], []
+    step = cuda_decode.compiled_step(graph_counter(graphs, ops=ops))
+    cache, state, span = started(model, MIXED, 10, eos=[3, 4, 5], top_p=0.8)
+    for _ in range(9):
+        step(model, cache, state, span)
+    assert len(graphs) == 1 and len(ops) == 9 * model.config.num_hidden_layers
+    assert all(counter.ops > 0 and counter.syncs == [] for counter in ops)
+    torch._dynamo.reset()
+
+
+def test_inductor_compiles_the_layer_on_a_cpu():
+    """Inductor itself, as train.py --compile-sampler runs it (C++ kernels on a CPU; its one graph
+    took 26 s on a shared core, 7 s from Inductor's cache): generate(compiled=True) samples the
+    plain step's tokens, log-probs up to Inductor's float rounding, at two calls of other lengths
+    and rows, from one compile."""
+    from torch._dynamo.utils import counters
+
+    model = lively(tiny_model("llama3"))
+    cuda_decode.fuse_projections(model)
+    torch._dynamo.reset()
+    counters.clear()
+    for prompts, max_new_tokens in ((MIXED, 10), ([p + [5, 6, 7] for p in MIXED[:4]], 6)):
+        plain, compiled = (rollout.generate(model, prompts, max_new_tokens, 1.0, 0.8,
+                                            eos_token_id=[3], fast=True, compiled=compiled,
+                                            generator=torch.Generator().manual_seed(3))
+                           for compiled in (False, True))
+        assert plain.response_ids == compiled.response_ids
+        torch.testing.assert_close(plain.token_logprobs, compiled.token_logprobs)
+    assert counters["stats"]["unique_graphs"] == 1
     torch._dynamo.reset()
 
 

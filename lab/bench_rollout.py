@@ -76,8 +76,8 @@ decode.add_argument("--ours-compiled", nargs="*", default=["smollm2-135m:64"],
                     help="where ours also runs with its step compiled by torch.compile before the "
                          "capture (cuda_decode.compiled_step; CUDA only; a compile a shape)")
 decode.add_argument("--samplers", nargs="+", metavar="NAME",
-                    choices=("ours graphed", "ours unfused", "ours compiled", "ours eager",
-                             "ours plain", "ours compaction",
+                    choices=("ours graphed", "ours flex", "ours unfused", "ours compiled",
+                             "ours eager", "ours plain", "ours compaction",
                              "hf eager", "hf static+compile"),
                     help="the ms-per-step part times only these (default: every sampler that "
                          "runs here); for a short GPU slot's rerun")
@@ -312,15 +312,18 @@ def decode_samplers(model, name, prompts, eos=None, temperature=1.0, compiled=Fa
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=DEVICE)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=DEVICE)
 
-    def ours(fast, graphs=True, compiled_step=False, fused=True):
+    def ours(fast, graphs=True, compiled_step=False, fused=True, flex=False):
         def run(n, seed):
             saved = [] if fused else [(module, vars(module).pop("fused")) for module
                                       in model.modules() if "fused" in vars(module)]
+            flex_on = runtime.FLEX_DECODE_ON  # flex: FlexAttention decodes (flash-attn first)
+            runtime.FLEX_DECODE_ON = (DEVICE.type,) if flex else flex_on
             try:
                 return generate(model, prompts, n, temperature=temperature, eos_token_id=eos,
                                 fast=fast, cuda_graphs=graphs, compiled=compiled_step,
                                 generator=torch.Generator(DEVICE).manual_seed(seed))
             finally:
+                runtime.FLEX_DECODE_ON = flex_on
                 for module, weights in saved:  # fused again
                     module.fused = weights
         return run
@@ -336,6 +339,8 @@ def decode_samplers(model, name, prompts, eos=None, temperature=1.0, compiled=Fa
                                   eos_token_id=eos, pad_token_id=0, **length, **sampling, **extra)
         return run
     runs = {"ours graphed": ours(True)} if cuda else {}
+    if cuda:  # the same step, decode attention by FlexAttention over each row's own slots
+        runs["ours flex"] = ours(True, flex=True)
     if cuda and hasattr(model.model.layers[0].self_attn, "fused"):
         runs["ours unfused"] = ours(True, fused=False)  # the same, a GEMM per projection
     if cuda and ours_compiled:

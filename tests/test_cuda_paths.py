@@ -552,14 +552,18 @@ def test_every_capture_warms_up_and_records_on_one_side_stream(monkeypatch):
     assert steps == [128, 128, 256, 256, 384, 384]  # run once on the stream, then recorded
 
 
-def test_the_fixed_shape_loop_captures_each_span_once_on_the_one_stream(monkeypatch):
+@pytest.mark.parametrize("flex", [False, True], ids=["sdpa", "flex"])
+def test_the_fixed_shape_loop_captures_each_span_once_on_the_one_stream(monkeypatch, flex):
     """The decode loop through cuda_decode.fast on a cache that says it is on CUDA, with
     capture recorded (it runs the step once, as the real one's warm-up does, and its graph's replay
-    runs the step): each span is captured once, every capture gets the process's one side stream,
-    and the replays give the eager fixed-shape loop's tokens and log-probs."""
+    runs the step): each span is captured once (with FlexAttention, which reads each row's own
+    slots, one capture for every span), every capture gets the process's one side stream, and the
+    replays give the eager fixed-shape loop's tokens and log-probs."""
+    monkeypatch.setattr(runtime, "FLEX_DECODE_ON", ("cpu",) if flex else ())
     model = lively(tiny_model("qwen2"))
     monkeypatch.setattr(rollout, "SPAN_BUCKET", 4)  # a new span every 4 steps
-    prompts, steps = [[5, 6, 7], [8, 9]], 14
+    # (flex: the flex tests' rows, whose compile it shares)
+    prompts, steps = FLEX_PROMPTS if flex else [[5, 6, 7], [8, 9]], 14
 
     def decoded(cuda_graphs):
         cache, logits, _ = rollout.prefilled(model, prompts, steps)
@@ -591,6 +595,6 @@ def test_the_fixed_shape_loop_captures_each_span_once_on_the_one_stream(monkeypa
         graphed, eager = decoded(True), decoded(False)
     finally:
         cuda_decode.capture_stream.cache_clear()
-    assert len(streams) == 1 and captured == streams * 4  # spans of 4, 8, 12 and 16 slots
+    assert len(streams) == 1 and captured == streams * (1 if flex else 4)  # spans 4, 8, 12, 16
     assert torch.equal(graphed.tokens_out, eager.tokens_out)
     assert torch.equal(graphed.logprobs_out, eager.logprobs_out)

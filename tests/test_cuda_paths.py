@@ -330,6 +330,23 @@ def test_flex_step_never_waits_for_the_host(flex_on, monkeypatch, family):
     assert len(flex_on) == 9 * model.config.num_hidden_layers
 
 
+@torch.no_grad()
+def test_flex_forward_attends_many_new_tokens_as_sdpa_does():
+    """The flex branch is not only a decode step's: as a prefill (buckets of rows of 1 to 127 new
+    tokens, up to 2 blocks of folded query rows) cuda_decode.forward with flex gives the SDPA
+    prefill's logits (fp32, 1e-5; seen 1.2e-6) and keys and values. generate keeps its prefill on
+    SDPA (cuda_decode.fast)."""
+    model = lively(tiny_model("qwen2"))
+    prompts = sorted(FLEX_PROMPTS, key=len, reverse=True)
+    caches = {flex: cache_for(model, len(prompts), 130) for flex in (True, False)}
+    logits = {flex: rollout.prefill(model, prompts, caches[flex],
+                                    functools.partial(cuda_decode.forward, flex=flex))
+              for flex in (True, False)}
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=0)
+    assert torch.equal(caches[True].seqlens, caches[False].seqlens)
+    torch.testing.assert_close(caches[True].k, caches[False].k, atol=1e-5, rtol=0)
+
+
 def test_flex_only_where_flash_cannot_run_and_named(standin, monkeypatch):
     """attention_choice: flash-attn first wherever flash_choice says so; else FlexAttention on the
     device types runtime.FLEX_DECODE_ON names (none by default), else SDPA; its one line says

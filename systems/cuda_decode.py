@@ -130,11 +130,10 @@ def forward(model, input_ids, cache, span, flash=False, flex=False):
     n, L = input_ids.shape
     start = cache.seqlens
     positions = start[:, None].long() + torch.arange(L, device=input_ids.device)
+    groups = model.config.num_attention_heads // model.config.num_key_value_heads
     if flex:
-        groups = model.config.num_attention_heads // model.config.num_key_value_heads
         block_mask = flex_block_mask(positions, groups, cache.k.shape[2])
     elif not flash:
-        groups = model.config.num_attention_heads // model.config.num_key_value_heads
         bias = rollout.causal_bias(positions, span, groups, cache.k.dtype)
     x = base.embed_tokens(input_ids).flatten(0, 1)  # (n * L, hidden): 2-D matmuls, fewer ops
     cos, sin = base.rotary_emb(x, positions)  # the model's own rope, scaling included
@@ -369,7 +368,8 @@ def flex_block_mask(positions, groups, max_len):
     from torch.nn.attention.flex_attention import BlockMask
 
     n, L = positions.shape
-    q_blocks, kv_blocks = -(-groups * L // 128), -(-max_len // FLEX_BLOCK)  # shapes: no sync
+    # query blocks of 128 folded rows (a decode step's `groups` fit in one); counts from shapes
+    q_blocks, kv_blocks = -(-groups * L // 128), -(-max_len // FLEX_BLOCK)
     # blocks a row reads, the same for each of its query blocks: up to its newest slot's
     kv_num_blocks = (positions[:, -1] // FLEX_BLOCK + 1).int()[:, None, None]
     kv_num_blocks = kv_num_blocks.expand(n, 1, q_blocks).contiguous()
@@ -393,7 +393,11 @@ def compiled_flex():
     the next); flex_attention marks the heads and head_dim static, and flex_attention (below) the
     rows: Inductor's decode kernel (flex_decoding, query rows under 128, split over the slots)
     needs the rows and heads static, else it runs its general kernel. So: a compile per number of
-    rows (and per dtype and model shape), plus one where the first call's cache held one block."""
+    rows (and per dtype and model shape), plus one where the first call's cache held one block.
+    Past torch._dynamo's recompile_limit (8 compiles) flex_attention would run eagerly (the same
+    numbers, slowly). Inductor's decode kernel also wants a power-of-two ratio of query to
+    key/value heads: flex_attention folds each key/value head's query heads into its rows, a
+    ratio of 1 (Qwen2.5-7B's 28 on 4 heads, SmolLM2's 9 on 3, would not qualify unfolded)."""
     from torch.nn.attention.flex_attention import flex_attention as flex
 
     return torch.compile(flex, dynamic=True, fullgraph=True)

@@ -9,8 +9,9 @@ flash_attn_with_kvcache path against its SDPA path on the same cache; greedy gen
 token by token against the model's own forward pass; the decode loop through cuda_decode.fast
 replayed as a CUDA graph against its eager steps and against rollout's own step, under
 torch.cuda.set_sync_debug_mode("error"), and holding no memory after a second call (its captures'
-cuBLAS workspace); the FlexAttention branch's greedy tokens and its loop without a sync; a bf16 training step of train.py on CUDA (NCCL is not needed: one process); and
-an --async-lag queue saved from CUDA onto the CPU and resumed.
+cuBLAS workspace); the FlexAttention branch's greedy tokens and its loop without a sync; a bf16
+training step of train.py on CUDA (NCCL is not needed: one process); and an --async-lag queue saved
+from CUDA onto the CPU and resumed.
 """
 import functools
 import json

@@ -487,6 +487,12 @@ def eos_part(name, rows, max_new_tokens, dtype, report, write):
                            rows_identical=same, rows=rows))
         print(f"  {name:13s} batch {rows:4d} greedy: {same}/{rows} rows identical, graphed and "
               "eager", flush=True)
+    if "ours graphed" in greedy and "ours flex" in greedy:  # other kernels: bf16 ties may differ
+        same = sum(a == b for a, b in zip(greedy["ours graphed"], greedy["ours flex"]))
+        report.append(dict(model=name, batch=rows, check="greedy rows flex == graphed (SDPA)",
+                           rows_identical=same, rows=rows))
+        print(f"  {name:13s} batch {rows:4d} greedy: {same}/{rows} rows identical, flex and "
+              "SDPA", flush=True)
     report += [dict(model=name, batch=rows, **row) for row in failed]
     write()
 

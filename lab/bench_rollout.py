@@ -372,11 +372,13 @@ def warm(runs, n, longest, report):
     """One untimed call of each sampler (kernels, allocator, compiles); a sampler that fails is
     dropped, and the report says why. Returns the warm-up seconds of those kept. The compiled
     model.generate warms up at the longest length: its static cache keeps the longest length seen,
-    so the timed calls meet no new shape; our compiled step at both (a new length is a new cache
-    shape: its graphs are captured anew, and a compile that specialized would recompile)."""
+    so the timed calls meet no new shape; our compiled step and flex at both (a new length is a
+    new cache shape: its graphs are captured anew, and a compile that specialized would
+    recompile)."""
     seconds = {}
     for name, fn in list(runs.items()):
-        lengths = {"ours compiled": (longest, n), "hf static+compile": (longest,)}.get(name, (n,))
+        lengths = {"ours compiled": (longest, n), "ours flex": (longest, n),
+                   "hf static+compile": (longest,)}.get(name, (n,))
         try:
             seconds[name] = sum(timed(fn, length, 1000)[0] for length in lengths)
         except Exception as error:  # noqa: BLE001  (e.g. a compile that fails here)

@@ -53,7 +53,7 @@ from systems import runtime
 from reward import extract_boxed
 from systems.model import load_model, load_tokenizer, stop_token_ids
 from rollout import generate
-from systems.cuda_decode import flash_choice, fuse_projections
+from systems.cuda_decode import attention_choice, fuse_projections
 
 parser = argparse.ArgumentParser(description="mean@k evaluation of a model on verifiable tasks")
 parser.add_argument("--model", required=True,
@@ -204,7 +204,7 @@ def main(argv=None):
     if device.type in runtime.FUSED_PROJECTIONS_ON:  # one GEMM for q/k/v, one for gate/up
         fuse_projections(model)
     if device.type == "cuda" and rank == 0:  # what generate will attend with, by its own rule
-        print(flash_choice(device, next(model.parameters()).dtype)[1])
+        print(attention_choice(device, next(model.parameters()).dtype)[1])
     out = Path(args.out)
     results, completions = {}, []
     for name, examples in tasks.items():

@@ -116,7 +116,7 @@ def main(argv=None):
            + (f", resuming {resume_from}" if resume_from else
               ", no checkpoint to resume" if args.resume else ""))
     if device.type == "cuda":  # what the sampler will attend with, by the rule it follows
-        print0(cuda_decode.flash_choice(device, dtype)[1])
+        print0(cuda_decode.attention_choice(device, dtype)[1])
 
     G, prompts_per_rank, bad_in_a_row = args.group_size, args.prompts_per_step // world_size, 0
     steps = range(start_step + 1, args.steps + 1)

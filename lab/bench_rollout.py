@@ -78,8 +78,8 @@ decode.add_argument("--ours-compiled", nargs="*", default=["smollm2-135m:64"],
                          "capture (cuda_decode.compiled_step: one decoder layer, a compile a "
                          "shape; on a CPU without the capture)")
 decode.add_argument("--samplers", nargs="+", metavar="NAME",
-                    choices=("ours graphed", "ours unfused", "ours compiled", "ours eager",
-                             "ours plain", "ours compaction",
+                    choices=("ours graphed", "ours flex", "ours unfused", "ours compiled",
+                             "ours eager", "ours plain", "ours compaction",
                              "hf eager", "hf static+compile"),
                     help="the ms-per-step part times only these (default: every sampler that "
                          "runs here); for a short GPU slot's rerun")
@@ -326,15 +326,18 @@ def decode_samplers(model, name, prompts, eos=None, temperature=1.0, compiled=Fa
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=DEVICE)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=DEVICE)
 
-    def ours(fast, graphs=True, compiled_step=False, fused=True):
+    def ours(fast, graphs=True, compiled_step=False, fused=True, flex=False):
         def run(n, seed):
             saved = [] if fused else [(module, vars(module).pop("fused")) for module
                                       in model.modules() if "fused" in vars(module)]
+            flex_on = runtime.FLEX_DECODE_ON  # flex: FlexAttention decodes (flash-attn first)
+            runtime.FLEX_DECODE_ON = (DEVICE.type,) if flex else flex_on
             try:
                 return generate(model, prompts, n, temperature=temperature, eos_token_id=eos,
                                 fast=fast, cuda_graphs=graphs, compiled=compiled_step,
                                 generator=torch.Generator(DEVICE).manual_seed(seed))
             finally:
+                runtime.FLEX_DECODE_ON = flex_on
                 for module, weights in saved:  # fused again
                     module.fused = weights
         return run
@@ -350,6 +353,10 @@ def decode_samplers(model, name, prompts, eos=None, temperature=1.0, compiled=Fa
                                   eos_token_id=eos, pad_token_id=0, **length, **sampling, **extra)
         return run
     runs = {"ours graphed": ours(True)} if cuda else {}
+    # the same step, decode attention by FlexAttention over each row's own slots (on a CPU where
+    # --samplers names it: a compile)
+    if cuda or "ours flex" in (args.samplers or ()):
+        runs["ours flex"] = ours(True, flex=True)
     if cuda and hasattr(model.model.layers[0].self_attn, "fused"):
         runs["ours unfused"] = ours(True, fused=False)  # the same, a GEMM per projection
     if ours_compiled:  # on a CPU too, where --ours-compiled names the shape
@@ -381,14 +388,16 @@ def warm(runs, n, longest, report):
     """One untimed call of each sampler (kernels, allocator, compiles); a sampler that fails is
     dropped, and the report says why. Returns the warm-up seconds of those kept. The compiled
     model.generate warms up at the longest length: its static cache keeps the longest length seen,
-    so the timed calls meet no new shape; our compiled step at both (a new length is a new cache
-    shape: its graphs are captured anew, and a compile that specialized would recompile). Also
-    returns the graphs torch.compile compiled in each (ours compiled: 1, its decoder layer)."""
+    so the timed calls meet no new shape; our compiled step and flex at both (a new length is a
+    new cache shape: its graphs are captured anew, and a compile that specialized would
+    recompile). Also returns the graphs torch.compile compiled in each (ours compiled: 1, its
+    decoder layer)."""
     from torch._dynamo.utils import counters
 
     seconds, graphs = {}, {}
     for name, fn in list(runs.items()):
-        lengths = {"ours compiled": (longest, n), "hf static+compile": (longest,)}.get(name, (n,))
+        lengths = {"ours compiled": (longest, n), "ours flex": (longest, n),
+                   "hf static+compile": (longest,)}.get(name, (n,))
         before = counters["stats"]["unique_graphs"]
         try:
             seconds[name] = sum(timed(fn, length, 1000)[0] for length in lengths)
@@ -502,6 +511,12 @@ def eos_part(name, rows, max_new_tokens, dtype, report, write):
                            rows_identical=same, rows=rows))
         print(f"  {name:13s} batch {rows:4d} greedy: {same}/{rows} rows identical, graphed and "
               "eager", flush=True)
+    if "ours graphed" in greedy and "ours flex" in greedy:  # other kernels: bf16 ties may differ
+        same = sum(a == b for a, b in zip(greedy["ours graphed"], greedy["ours flex"]))
+        report.append(dict(model=name, batch=rows, check="greedy rows flex == graphed (SDPA)",
+                           rows_identical=same, rows=rows))
+        print(f"  {name:13s} batch {rows:4d} greedy: {same}/{rows} rows identical, flex and "
+              "SDPA", flush=True)
     report += [dict(model=name, batch=rows, **row) for row in failed]
     write()
 

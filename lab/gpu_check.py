@@ -309,7 +309,8 @@ def train_part(work, device, model, task):
     from systems import cuda_decode
 
     out = work / "train"
-    expect = cuda_decode.flash_choice(device, torch.bfloat16)[1] if device.type == "cuda" else None
+    expect = (cuda_decode.attention_choice(device, torch.bfloat16)[1] if device.type == "cuda"
+              else None)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
                *train_flags(model, task, out, "--dtype", "bfloat16", "--steps", "3")]
     start = time.perf_counter()

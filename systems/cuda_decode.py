@@ -17,10 +17,14 @@ CPU. What this module does about it, each measured in docs/benchmarks.md:
 - Attention with flash_attn_with_kvcache where flash_choice says so (CUDA, fp16 or bf16, compute
   capability 8.0 or higher, flash-attn importable): it reads each row's own cache_seqlens slots,
   where SDPA reads a span common to all rows. flash-attn is never imported at module level.
+  Where flash-attn cannot run, the decode step attends with PyTorch's FlexAttention on the devices
+  runtime.FLEX_DECODE_ON names (attention_choice): compiled, it too reads only each row's own
+  blocks of FLEX_BLOCK slots (flex_block_mask), with no host sync.
 - Inverse-CDF sampling by blocks of CDF_BLOCK tokens (inverse_cdf), the same tokens as rollout's
   one float64 cumsum up to float64 rounding, for a fraction of its memory traffic.
 Every one computes what rollout.py's plain step computes: tests/test_static_decode.py,
-tests/test_cuda_paths.py (the flash branch against a CPU stand-in) and tests/test_gpu.py.
+tests/test_cuda_paths.py (the flash branch against a CPU stand-in, the flex branch on the CPU) and
+tests/test_gpu.py.
 """
 import functools
 import importlib.util
@@ -31,25 +35,28 @@ import torch.nn.functional as F
 import rollout
 
 CDF_BLOCK = 1024  # inverse_cdf's blocks of tokens: it sums the blocks, then cumsums inside one
+FLEX_BLOCK = 64  # flex_attention's blocks of slots: a row reads the blocks its slots lie in
 
 
 # ---------------------------------------------------------------- the one call site's wrapper
 def fast(model, compiled=False, cuda_graphs=True):
     """(forward, step): rollout.forward and rollout.decode_step made fast, for one generate's rows
     of `model`. forward: this module's (fused projections where fuse_projections joined them, fused
-    norms, flash-attn where flash_choice says so), for the prefill. step: the same forward and
-    inverse_cdf by blocks, compiled first with `compiled`, and on CUDA captured as a CUDA graph per
-    span and replayed (cuda_graphs=False runs it eagerly, to debug)."""
+    norms, flash-attn where flash_choice says so), for the prefill. step: the same forward (with
+    FlexAttention where attention_choice says so) and inverse_cdf by blocks, compiled first with
+    `compiled`, and on CUDA captured as a CUDA graph per span and replayed (cuda_graphs=False runs
+    it eagerly, to debug)."""
     check_fused(model)
     param = next(model.parameters())
-    flash = flash_choice(param.device, param.dtype)[0]
-    step = functools.partial(compiled_step() if compiled else static_step, flash=flash)
+    attention = attention_choice(param.device, param.dtype)[0]
+    flash, flex = attention == "flash", attention == "flex"
+    step = functools.partial(compiled_step() if compiled else static_step, flash=flash, flex=flex)
     if not (cuda_graphs and param.is_cuda):
         return functools.partial(forward, flash=flash), step
     graphs, pool = {}, torch.cuda.graph_pool_handle()  # one at a time: one memory pool
 
     def replay(model, cache, state, span):
-        span = None if flash else span  # flash reads each row's own slots: one graph for all
+        span = None if flash or flex else span  # each row's own slots: one graph for all
         if span in graphs:
             graphs[span].replay()
         else:  # runs this step, then records it
@@ -59,11 +66,11 @@ def fast(model, compiled=False, cuda_graphs=True):
 
 
 @torch.no_grad()
-def static_step(model, cache, state, span, flash=False, layer_fn=None):
+def static_step(model, cache, state, span, flash=False, flex=False, layer_fn=None):
     """rollout.decode_step through this module's decode (its layers through `layer_fn`, the
     compiled decoder_layer, where given) and block inverse CDF: every row feeds its last token and
     samples its next one, no host sync."""
-    rollout.take(decode(model, state.tokens, cache, span, flash, layer_fn), state,
+    rollout.take(decode(model, state.tokens, cache, span, flash, flex, layer_fn), state,
                  draw=inverse_cdf)
 
 
@@ -123,24 +130,28 @@ def capture(step, pool, stream):
 
 
 # ---------------------------------------------------------------- the GPU's forward
-def decode(model, tokens, cache, span, flash=False, layer_fn=None):
+def decode(model, tokens, cache, span, flash=False, flex=False, layer_fn=None):
     """rollout.decode through this module's forward: next-token logits (rows, V), float32."""
-    hidden = forward(model, tokens[:, None], cache, span, flash, layer_fn)
+    hidden = forward(model, tokens[:, None], cache, span, flash, flex, layer_fn)
     return model.lm_head(hidden[:, 0]).float()
 
 
-def forward(model, input_ids, cache, span, flash=False, layer_fn=None):
+def forward(model, input_ids, cache, span, flash=False, flex=False, layer_fn=None):
     """rollout.forward in fewer kernels: the same decoder over input_ids (n, L) for the n cache
     rows, K/V appended after seqlens (a prefill's bucket, or a decode step). SDPA reads slots
-    0..span-1 of every row; flash (span unused) each row's own seqlens + L. Each layer runs
-    decoder_layer, or `layer_fn`, its compiled form (compiled_step)."""
+    0..span-1 of every row; flash and flex (span unused) each row's own seqlens + L (flex: rounded
+    up to whole FLEX_BLOCKs). Each layer runs decoder_layer, or `layer_fn`, its compiled form
+    (compiled_step)."""
     base = model.model
     n, L = input_ids.shape
     start = cache.seqlens
     positions = start[:, None].long() + torch.arange(L, device=input_ids.device)
-    bias = None
-    if not flash:
-        groups = model.config.num_attention_heads // model.config.num_key_value_heads
+    groups = model.config.num_attention_heads // model.config.num_key_value_heads
+    mask = None  # flash masks by itself
+    if flex:
+        mask = flex_block_mask(positions, groups, cache.k.shape[2])
+    elif not flash:
+        mask = rollout.causal_bias(positions, span, groups, cache.k.dtype)
         bias = rollout.causal_bias(positions, span, groups, cache.k.dtype)
     # (n * L, hidden): 2-D matmuls, fewer ops; not a view (each layer's x is its own tensor)
     x = base.embed_tokens(input_ids.flatten())
@@ -148,23 +159,27 @@ def forward(model, input_ids, cache, span, flash=False, layer_fn=None):
     cos, sin = cos[:, :, None], signed_sin(sin)[:, :, None]  # (n, L, 1, head_dim): over the heads
     for i, layer in enumerate(base.layers):
         x = (layer_fn or decoder_layer)(layer, x, cache.k[i], cache.v[i], start, positions, cos,
-                                        sin, bias, flash)
+                                        sin, mask, flash, flex)
     cache.seqlens += L
     return rms_norm(base.norm, x).view(n, L, -1)
 
 
-def decoder_layer(layer, x, k_cache, v_cache, start, positions, cos, sin, bias, flash=False):
+def decoder_layer(layer, x, k_cache, v_cache, start, positions, cos, sin, mask, flash=False,
+                  flex=False):
     """One decoder layer on the hidden states x (n * L, hidden) of positions (n, L): attention,
     its K/V written into this layer's cache rows k_cache, v_cache (n, max_len, kv_heads,
-    head_dim) after start (seqlens), then the MLP, each with its residual. The unit compiled_step
-    compiles, once for every layer."""
+    head_dim) after start (seqlens), then the MLP, each with its residual. `mask`: SDPA's causal
+    bias, flex's block mask, None for flash. The unit compiled_step compiles, once for every
+    layer."""
     n, L = positions.shape
     attn = layer.self_attn
     q, k, v = attention_inputs(attn, rms_norm(layer.input_layernorm, x), n, L, cos, sin)
     if flash:
         out = flash_attention(q, k, v, k_cache, v_cache, start, attn.scaling)
+    elif flex:
+        out = flex_attention(q, k, v, k_cache, v_cache, positions, mask, attn.scaling)
     else:
-        out = rollout.sdpa_attention(q, k, v, k_cache, v_cache, positions, bias, attn.scaling)
+        out = rollout.sdpa_attention(q, k, v, k_cache, v_cache, positions, mask, attn.scaling)
     x = x + attn.o_proj(out.reshape(n * L, -1))
     return x + mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, x))
 
@@ -355,3 +370,90 @@ def flash_attention(q, k, v, k_cache, v_cache, seqlens, scale):
     return flash_attn_with_kvcache(
         q, k_cache, v_cache, k=k, v=v, cache_seqlens=seqlens, softmax_scale=scale, causal=True
     )
+
+
+# ---------------------------------------------------------------- FlexAttention
+def attention_choice(device, dtype):
+    """(kind, line): what generate()'s decode steps attend with, "flash", "flex" or "sdpa", and the
+    one line train.py and eval.py print. flash-attn where flash_choice says so; else FlexAttention
+    on the device types runtime.FLEX_DECODE_ON names (the prefill stays on SDPA); else SDPA."""
+    from systems import runtime  # (runtime imports this module)
+
+    use, line = flash_choice(device, dtype)
+    if use:
+        return "flash", line
+    if device.type in runtime.FLEX_DECODE_ON:
+        return "flex", line.replace("decoding with PyTorch SDPA", "decoding with FlexAttention "
+                                    "(runtime.FLEX_DECODE_ON; the prefill with SDPA)")
+    return "sdpa", line
+
+
+def flex_block_mask(positions, groups, max_len):
+    """The BlockMask of flex_attention for n rows of L new tokens at positions (n, L) over a cache
+    of max_len slots, each row's `groups` query heads of one key/value head folded into its query
+    rows (groups * L of them, group-major as sdpa_attention folds them). A row reads blocks 0..b
+    of FLEX_BLOCK slots, b the block of its newest position, and inside them the slots its causal
+    mask lets through (mask_mod): built from tensors, no host sync."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n, L = positions.shape
+    # query blocks of 128 folded rows (a decode step's `groups` fit in one); counts from shapes
+    q_blocks, kv_blocks = -(-groups * L // 128), -(-max_len // FLEX_BLOCK)
+    # blocks a row reads, the same for each of its query blocks: up to its newest slot's
+    kv_num_blocks = (positions[:, -1] // FLEX_BLOCK + 1).int()[:, None, None]
+    kv_num_blocks = kv_num_blocks.expand(n, 1, q_blocks).contiguous()
+    kv_indices = torch.arange(kv_blocks, dtype=torch.int32, device=positions.device)
+    kv_indices = kv_indices.expand(n, 1, q_blocks, kv_blocks).contiguous()
+    start = positions[:, 0].contiguous()
+    static_rows(kv_num_blocks, kv_indices, start)
+
+    def causal(b, h, q_idx, kv_idx):  # the query at folded row q_idx sits at start + q_idx % L
+        return kv_idx <= start[b] + q_idx % L
+    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=(128, FLEX_BLOCK),
+                                    mask_mod=causal, seq_lengths=(groups * L, max_len),
+                                    compute_q_blocks=False)  # no backward
+
+
+@functools.cache
+def compiled_flex():
+    """flex_attention compiled by Inductor: eagerly it materializes every score and reads every
+    slot (the block mask's counts unused), so it runs compiled, as PyTorch's docs ask. Shapes:
+    dynamic, so one compile serves every cache length (max_len changes from one generate call to
+    the next); flex_attention marks the heads and head_dim static, and flex_attention (below) the
+    rows: Inductor's decode kernel (flex_decoding, query rows under 128, split over the slots)
+    needs the rows and heads static, else it runs its general kernel. So: a compile per number of
+    rows (and per dtype and model shape), plus one where the first call's cache held one block.
+    Past torch._dynamo's recompile_limit (8 compiles) flex_attention would run eagerly (the same
+    numbers, slowly). Inductor's decode kernel also wants a power-of-two ratio of query to
+    key/value heads: flex_attention folds each key/value head's query heads into its rows, a
+    ratio of 1 (Qwen2.5-7B's 28 on 4 heads, SmolLM2's 9 on 3, would not qualify unfolded)."""
+    from torch.nn.attention.flex_attention import flex_attention as flex
+
+    return torch.compile(flex, dynamic=True, fullgraph=True)
+
+
+def flex_attention(q, k, v, k_cache, v_cache, positions, block_mask, scale):
+    """The FlexAttention branch of attention, for the decode step: rollout.sdpa_attention's
+    arguments with flex_block_mask's mask for the bias. Writes k, v at each row's positions, then
+    attends over the cache (n, kv_heads, max_len, d) with each key/value head's `groups` query
+    heads folded into its query rows (grouped-query attention without repeating the keys: one
+    head's groups * L rows, as sdpa_attention folds them). Returns (n, L, kv_heads, groups, d)."""
+    n, L, _, head_dim = q.shape
+    kv_heads = k.shape[2]
+    rows = torch.arange(n, device=q.device)[:, None]
+    k_cache[rows, positions] = k
+    v_cache[rows, positions] = v
+    q = (q.view(n, L, kv_heads, -1, head_dim).permute(0, 2, 3, 1, 4)
+         .reshape(n, kv_heads, -1, head_dim))
+    keys, values = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # views
+    static_rows(q, keys, values)
+    out = compiled_flex()(q, keys, values, block_mask=block_mask, scale=scale)
+    return out.view(n, kv_heads, -1, L, head_dim).permute(0, 3, 1, 2, 4)
+
+
+def static_rows(*tensors):
+    """Mark the tensors' first dimension, the rows, static for compiled_flex (its decode kernel
+    needs them static); inside a compiled step (compiled_step) the step's own compile decides."""
+    if not torch.compiler.is_compiling():
+        for tensor in tensors:
+            torch._dynamo.mark_static(tensor, 0)

@@ -84,6 +84,13 @@ FUSED_PROJECTIONS_ON = ("cuda",)
 COMPILED_SAMPLER_ON = ()
 
 
+# where the sampler's decode step attends with FlexAttention when flash-attn cannot run
+# (cuda_decode.attention_choice): each row's own blocks of slots, where SDPA reads a span common to
+# the rows. Nowhere until a GPU has timed it against SDPA (the rule that decides "cuda" is
+# registered in docs/benchmarks.md)
+FLEX_DECODE_ON = ()
+
+
 # --generate-rows auto: the share of the GPU memory free when a rollout starts that its KV cache may
 # take (the rest: the prefill's activations, the sampling step's logits over the vocabulary)
 KV_SHARE = 0.5

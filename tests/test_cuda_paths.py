@@ -8,6 +8,10 @@ it runs and what --dtype auto means on a GPU.
   it; flash_choice's CUDA, dtype and compute-capability rules are waived (the branch "forced on").
   Then prefill and decode equal the SDPA path on the same cache, and generate through cuda_decode
   equals Hugging Face's greedy output, for the Llama, Qwen2 and Qwen3 layouts of test_rollout.py.
+- The FlexAttention branch (cuda_decode.flex_attention) runs as it is, compiled by Inductor's CPU
+  template, with runtime.FLEX_DECODE_ON naming the CPU: generate's samples equal the SDPA branch's
+  for rows of mixed lengths in 1 to 3 blocks of slots, its step makes no host sync, and it reads
+  nothing past a row's own slots (a cache poisoned there gives the same bits).
 - The rules run against torch.cuda's answers patched: one fake GPU of a given compute capability
   whose bf16 is native (8.0 and up) or emulated (7.0, 7.5), read through torch's own
   is_bf16_supported and get_device_capability.
@@ -28,8 +32,9 @@ import torch.distributed as dist
 
 import rollout
 from systems import cuda_decode, runtime
-from test_rollout import (FAMILIES, PROMPTS, assert_greedy_up_to_ties, cache_for,
+from test_rollout import (FAMILIES, PROMPTS, VOCAB, assert_greedy_up_to_ties, cache_for,
                           eos_for_mixed_lengths, hf_greedy, lively, tiny_model)
+from test_static_decode import AtenOps, started
 
 STANDIN = Path(__file__).parent / "fixtures" / "flash_attn_standin"
 CUDA = torch.device("cuda", 0)
@@ -215,6 +220,148 @@ def test_flash_fixed_shape_loop_equals_hf_greedy(forced_on, monkeypatch, family,
     # the decode steps went through the kernel too: more calls than the prefill's, one a layer a
     # bucket of prompts
     assert calls > rollout.BUCKETS * model.config.num_hidden_layers
+
+
+# ---------------------------------------------------------------- the flex branch, on the CPU
+# 8 rows of 1 to 127 prompt tokens: in 1, 2 and 3 blocks of cuda_decode.FLEX_BLOCK (64) slots, some
+# crossing into the next block as they decode
+FLEX_PROMPTS = [[(7 * i + row) % (VOCAB - 1) + 1 for i in range(length)]
+                for row, length in enumerate([127, 100, 64, 60, 19, 3, 2, 1])]
+
+
+@pytest.fixture
+def flex_on(monkeypatch):
+    """FlexAttention's branch forced on this CPU (runtime.FLEX_DECODE_ON names it); yields the
+    list of its calls' block masks, each one layer's."""
+    calls, attend = [], cuda_decode.flex_attention
+
+    def recorded(q, k, v, k_cache, v_cache, positions, block_mask, scale):
+        calls.append(block_mask)
+        return attend(q, k, v, k_cache, v_cache, positions, block_mask, scale)
+    monkeypatch.setattr(runtime, "FLEX_DECODE_ON", ("cpu",))
+    monkeypatch.setattr(cuda_decode, "flex_attention", recorded)
+    return calls
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_flex_generate_samples_what_sdpa_samples(flex_on, monkeypatch, family):
+    """generate through cuda_decode's step, sampled at temperature 1 and greedy, EOS ending rows at
+    3 or more lengths: with FlexAttention every row has the SDPA branch's tokens, and log-probs
+    within 1e-5 (fp32: the two kernels sum the same products in other orders; seen 4e-6), for rows
+    that read 1, 2 and 3 blocks of slots. The decode steps went through flex (the prefill stays on
+    SDPA), their block masks counting each row's own blocks."""
+    model = lively(tiny_model(family))
+
+    def run(temperature, eos=None):
+        return rollout.generate(model, FLEX_PROMPTS, 16, temperature, eos_token_id=eos, fast=True,
+                                generator=torch.Generator().manual_seed(0))
+    eos = eos_for_mixed_lengths(run(1.0).response_ids)
+    flex_on.clear()
+    flex = {temperature: run(temperature, eos) for temperature in (1.0, 0.0)}
+    masks = list(flex_on)
+    monkeypatch.setattr(runtime, "FLEX_DECODE_ON", ())
+    for temperature, out in flex.items():
+        sdpa = run(temperature, eos)
+        assert out.response_ids == sdpa.response_ids, temperature
+        torch.testing.assert_close(out.token_logprobs, sdpa.token_logprobs, atol=1e-5, rtol=0)
+    assert len(flex_on) == len(masks), "SDPA's run called flex"
+    assert len({len(row) for row in flex[1.0].response_ids}) >= 3, "the test needs 3 lengths"
+    layers, config = model.config.num_hidden_layers, model.config
+    groups = config.num_attention_heads // config.num_key_value_heads
+    assert masks and len(masks) % layers == 0
+    assert all(mask.shape[-2] == groups for mask in masks)  # one new token a row: no prefill
+    blocks = torch.stack([mask.kv_num_blocks.flatten() for mask in masks[::layers]])
+    assert set(blocks.unique().tolist()) == {1, 2, 3}
+
+
+def poison(cache):
+    """Every slot of every row from its length on: NaN in the blocks of cuda_decode.FLEX_BLOCK
+    slots past the row's block (a kernel that reads them gives NaN), 1e4 in the rest of its block
+    (a mask that lets them through changes the scores and the output)."""
+    slots = torch.arange(cache.k.shape[2])
+    length = cache.seqlens.long()[:, None]
+    past_block = slots // cuda_decode.FLEX_BLOCK > length // cuda_decode.FLEX_BLOCK  # (rows, slots)
+    for tensor in (cache.k, cache.v):
+        tensor[:, slots >= length] = 1e4
+        tensor[:, past_block] = float("nan")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_flex_reads_nothing_past_a_rows_slots(flex_on, family):
+    """Before every decode step, the cache poisoned past each row's length (poison): the flex step
+    samples the same tokens and log-probs, bit for bit, as on the clean cache; so it reads no block
+    past the row's own (the NaN would spread) and its mask hides the slots past the row's newest
+    in the row's last block (the 1e4 would win the softmax). The slot at the row's length is
+    poisoned too: the step writes its new key and value there before it attends."""
+    model = lively(tiny_model(family))
+    clean, dirty = (started(model, FLEX_PROMPTS, 12, eos=[], top_p=0.9) for _ in range(2))
+    for _ in range(11):
+        poison(dirty[0])
+        for cache, state, _ in (clean, dirty):
+            cuda_decode.static_step(model, cache, state, None, flex=True)
+    assert flex_on
+    assert torch.equal(clean[1].tokens_out, dirty[1].tokens_out)
+    assert torch.equal(clean[1].logprobs_out, dirty[1].logprobs_out)
+    assert clean[1].logprobs_out.isfinite().all()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_flex_step_never_waits_for_the_host(flex_on, monkeypatch, family):
+    """No host sync inside the flex step (test_static_decode's AtenOps: scalar reads, nonzero,
+    boolean-mask indexing), its block mask built from the rows' lengths included, with the
+    projections joined as on CUDA, sampled with top-p and EOS on, rows finishing on the way. The
+    compiled kernel itself runs unwatched: torch.compile runs nothing compiled under a dispatch
+    mode (test_gpu.py watches it on CUDA, under torch.cuda.set_sync_debug_mode)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    compiled = cuda_decode.compiled_flex()
+
+    def unwatched(*args, **kwargs):
+        with _disable_current_modes():
+            return compiled(*args, **kwargs)
+    monkeypatch.setattr(cuda_decode, "compiled_flex", lambda: unwatched)
+    model = lively(tiny_model(family))
+    cuda_decode.fuse_projections(model)
+    cache, state, _ = started(model, FLEX_PROMPTS, 10, eos=[3, 4, 5], top_p=0.8)
+    for _ in range(9):
+        with AtenOps() as ops:
+            cuda_decode.static_step(model, cache, state, None, flex=True)
+        assert ops.syncs == [] and ops.ops > 0
+    assert len(flex_on) == 9 * model.config.num_hidden_layers
+
+
+@torch.no_grad()
+def test_flex_forward_attends_many_new_tokens_as_sdpa_does():
+    """The flex branch is not only a decode step's: as a prefill (buckets of rows of 1 to 127 new
+    tokens, up to 2 blocks of folded query rows) cuda_decode.forward with flex gives the SDPA
+    prefill's logits (fp32, 1e-5; seen 1.2e-6) and keys and values. generate keeps its prefill on
+    SDPA (cuda_decode.fast)."""
+    model = lively(tiny_model("qwen2"))
+    prompts = sorted(FLEX_PROMPTS, key=len, reverse=True)
+    caches = {flex: cache_for(model, len(prompts), 130) for flex in (True, False)}
+    logits = {flex: rollout.prefill(model, prompts, caches[flex],
+                                    functools.partial(cuda_decode.forward, flex=flex))
+              for flex in (True, False)}
+    torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=0)
+    assert torch.equal(caches[True].seqlens, caches[False].seqlens)
+    torch.testing.assert_close(caches[True].k, caches[False].k, atol=1e-5, rtol=0)
+
+
+def test_flex_only_where_flash_cannot_run_and_named(standin, monkeypatch):
+    """attention_choice: flash-attn first wherever flash_choice says so; else FlexAttention on the
+    device types runtime.FLEX_DECODE_ON names (none by default), else SDPA; its one line says
+    which, and FLEX_DECODE_ON when flex."""
+    fake_gpu(monkeypatch, 9, 0)
+    assert runtime.FLEX_DECODE_ON == ()
+    assert cuda_decode.attention_choice(CUDA, torch.bfloat16)[0] == "flash"
+    kind, line = cuda_decode.attention_choice(CUDA, torch.float32)
+    assert kind == "sdpa" and "decoding with PyTorch SDPA" in line
+    monkeypatch.setattr(runtime, "FLEX_DECODE_ON", ("cuda",))
+    assert cuda_decode.attention_choice(CUDA, torch.bfloat16)[0] == "flash"
+    kind, line = cuda_decode.attention_choice(CUDA, torch.float32)
+    assert kind == "flex" and "decoding with FlexAttention (runtime.FLEX_DECODE_ON" in line
+    assert "PyTorch SDPA" not in line and "\n" not in line
+    assert cuda_decode.attention_choice(torch.device("cpu"), torch.float32)[0] == "sdpa"
 
 
 # ---------------------------------------------------------------- the rules, on fake GPUs
@@ -422,14 +569,18 @@ def test_every_capture_warms_up_and_records_on_one_side_stream(monkeypatch):
     assert steps == [128, 128, 256, 256, 384, 384]  # run once on the stream, then recorded
 
 
-def test_the_fixed_shape_loop_captures_each_span_once_on_the_one_stream(monkeypatch):
+@pytest.mark.parametrize("flex", [False, True], ids=["sdpa", "flex"])
+def test_the_fixed_shape_loop_captures_each_span_once_on_the_one_stream(monkeypatch, flex):
     """The decode loop through cuda_decode.fast on a cache that says it is on CUDA, with
     capture recorded (it runs the step once, as the real one's warm-up does, and its graph's replay
-    runs the step): each span is captured once, every capture gets the process's one side stream,
-    and the replays give the eager fixed-shape loop's tokens and log-probs."""
+    runs the step): each span is captured once (with FlexAttention, which reads each row's own
+    slots, one capture for every span), every capture gets the process's one side stream, and the
+    replays give the eager fixed-shape loop's tokens and log-probs."""
+    monkeypatch.setattr(runtime, "FLEX_DECODE_ON", ("cpu",) if flex else ())
     model = lively(tiny_model("qwen2"))
     monkeypatch.setattr(rollout, "SPAN_BUCKET", 4)  # a new span every 4 steps
-    prompts, steps = [[5, 6, 7], [8, 9]], 14
+    # (flex: the flex tests' rows, whose compile it shares)
+    prompts, steps = FLEX_PROMPTS if flex else [[5, 6, 7], [8, 9]], 14
 
     def decoded(cuda_graphs):
         cache, logits, _ = rollout.prefilled(model, prompts, steps)
@@ -461,6 +612,6 @@ def test_the_fixed_shape_loop_captures_each_span_once_on_the_one_stream(monkeypa
         graphed, eager = decoded(True), decoded(False)
     finally:
         cuda_decode.capture_stream.cache_clear()
-    assert len(streams) == 1 and captured == streams * 4  # spans of 4, 8, 12 and 16 slots
+    assert len(streams) == 1 and captured == streams * (1 if flex else 4)  # spans 4, 8, 12, 16
     assert torch.equal(graphed.tokens_out, eager.tokens_out)
     assert torch.equal(graphed.logprobs_out, eager.logprobs_out)

@@ -9,8 +9,9 @@ flash_attn_with_kvcache path against its SDPA path on the same cache; greedy gen
 token by token against the model's own forward pass; the decode loop through cuda_decode.fast
 replayed as a CUDA graph against its eager steps and against rollout's own step, under
 torch.cuda.set_sync_debug_mode("error"), and holding no memory after a second call (its captures'
-cuBLAS workspace); a bf16 training step of train.py on CUDA (NCCL is not needed: one process); and
-an --async-lag queue saved from CUDA onto the CPU and resumed.
+cuBLAS workspace); the FlexAttention branch's greedy tokens and its loop without a sync; a bf16
+training step of train.py on CUDA (NCCL is not needed: one process); and an --async-lag queue saved
+from CUDA onto the CPU and resumed.
 """
 import functools
 import json
@@ -132,6 +133,34 @@ def test_the_fixed_shape_loop_never_syncs(graphs):
     it raises."""
     model = lively(tiny_model("llama3")).cuda().bfloat16()
     cache, logits, row_of_slot = rollout.prefilled(model, PROMPTS, 20)
+    uniforms = torch.rand(len(PROMPTS), 20, device="cuda", dtype=torch.float64)
+    state = rollout.new_decoding(uniforms, torch.tensor([], dtype=torch.long, device="cuda"),
+                                 1.0, 0.8)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rollout.decode_loop(model, cache, logits, state,
+                            cuda_decode.fast(model, cuda_graphs=graphs)[1])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert int(state.step) == 20 and state.lengths.eq(20).all()
+
+
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphed", "eager"])
+def test_flex_decode_follows_the_model_and_never_syncs(monkeypatch, graphs):
+    """The FlexAttention branch on CUDA (runtime.FLEX_DECODE_ON naming it, flash-attn off), bf16,
+    Inductor's kernel: greedy tokens with EOS at mixed lengths follow the model's own forward pass
+    up to bf16 ties, and the decode loop, compiled by then, runs under
+    set_sync_debug_mode("error")."""
+    monkeypatch.setattr(cuda_decode, "flash_choice", lambda device, dtype: (False, "SDPA"))
+    monkeypatch.setattr(runtime, "FLEX_DECODE_ON", ("cuda",))
+    model = lively(tiny_model("qwen3")).cuda().bfloat16()
+    free = rollout.generate(model, PROMPTS, 24, temperature=0, fast=False).response_ids
+    out = rollout.generate(model, PROMPTS, 24, temperature=0, cuda_graphs=graphs,
+                           eos_token_id=eos_for_mixed_lengths(free))
+    assert_greedy_up_to_ties(model, PROMPTS, out, **BF16)
+    assert len({len(row) for row in out.response_ids}) >= 2, "the test needs rows that stop"
+    cache, logits, _ = rollout.prefilled(model, PROMPTS, 20)
     uniforms = torch.rand(len(PROMPTS), 20, device="cuda", dtype=torch.float64)
     state = rollout.new_decoding(uniforms, torch.tensor([], dtype=torch.long, device="cuda"),
                                  1.0, 0.8)

@@ -152,7 +152,6 @@ def forward(model, input_ids, cache, span, flash=False, flex=False, layer_fn=Non
         mask = flex_block_mask(positions, groups, cache.k.shape[2])
     elif not flash:
         mask = rollout.causal_bias(positions, span, groups, cache.k.dtype)
-        bias = rollout.causal_bias(positions, span, groups, cache.k.dtype)
     # (n * L, hidden): 2-D matmuls, fewer ops; not a view (each layer's x is its own tensor)
     x = base.embed_tokens(input_ids.flatten())
     cos, sin = base.rotary_emb(x, positions)  # the model's own rope, scaling included

@@ -174,6 +174,34 @@ def test_flex_decode_follows_the_model_and_never_syncs(monkeypatch, graphs):
     assert int(state.step) == 20 and state.lengths.eq(20).all()
 
 
+def test_the_compiled_sampler_compiles_once_in_a_train_run(monkeypatch):
+    """train.py --compile-sampler on CUDA, Inductor and CUDA graphs (issue 55): one decoder layer
+    compiled once serves every layer of a run's generate calls, whose prompts' lengths, rows
+    (--generate-rows chunks) and spans differ, the spans below the cache's length (max_new_tokens
+    above rollout.SPAN_BUCKET, as train.py's 1,024) and at it; greedy tokens follow the model up to
+    bf16 ties. tests/test_static_decode.py checks the same on a CPU with other backends."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(cuda_decode, "flash_choice", lambda device, dtype: (False, "SDPA"))
+    model = lively(tiny_model("qwen2")).cuda().bfloat16()
+    cuda_decode.fuse_projections(model)  # as train.py's sampler on a GPU
+    torch._dynamo.reset()
+    counters.clear()
+    calls = [  # (a step's prompts, each G = 2 times; max_new_tokens; EOS; max_rows)
+        ([p for p in PROMPTS[:3] for _ in range(2)], 20, True, None),  # span = max_len at once
+        ([p + [9] * 5 for p in PROMPTS[2:] for _ in range(2)], 140, False, None),  # 128, max_len
+        ([p for p in PROMPTS[1:] for _ in range(2)], 140, False, 5),  # chunks of 5, 5, 2 rows
+    ]
+    for prompts, max_new_tokens, eos, max_rows in calls:
+        free = rollout.generate(model, prompts, max_new_tokens, temperature=0).response_ids
+        out = rollout.generate(model, prompts, max_new_tokens, temperature=0, max_rows=max_rows,
+                               eos_token_id=eos_for_mixed_lengths(free) if eos else None,
+                               compiled=True)
+        assert_greedy_up_to_ties(model, prompts, out, **BF16)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch._dynamo.reset()
+
+
 @pytest.mark.skipif(torch.torch_version.TorchVersion(torch.__version__) < (2, 8),
                     reason=f"torch {torch.__version__} has no fused RMSNorm CUDA kernel (torch 2.8 "
                            "added it; before, F.rms_norm runs the composite ops on CUDA)")

@@ -405,12 +405,13 @@ def recompute_part(args, shape, device, peak, save=lambda result: None):
     dtype = runtime.compute_dtype("auto", device)
     model = build(shape, device)
     # AdamW's two moments, resident as in a run
-    moments = [torch.zeros_like(param) for param in model.parameters() for _ in range(2)]  # noqa: F841
+    moments = [torch.zeros_like(param) for param in model.parameters() for _ in range(2)]
     batch = batch_of(args, model.config.vocab_size, device)
     prompts = batch[0]
     largest = max(logprobs.micro_batch_sizes(prompts, args.micro_batch))
     result = {"shape": shape, "rows": len(prompts), "micro_batch_rows": largest,
-              "dtype": str(dtype).removeprefix("torch.")}
+              "dtype": str(dtype).removeprefix("torch."),
+              "adamw_moments_bytes": sum(m.numel() * m.element_size() for m in moments)}
     warm = [(0, args.group_size)]
     for choice in (*recompute.CHOICES, "by_sequences"):
         by_segments = choice == "by_sequences"

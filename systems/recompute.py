@@ -2,9 +2,9 @@
 what it computes again there (activation checkpointing; machinery, not the paper's: the gradient is
 the same, only memory and time change). runtime.checkpoint_activations applies the choice.
 
-- full: a layer keeps its input only and the backward runs its forward again (torch.utils.checkpoint,
-  a call a layer, through transformers' activation_checkpointing_enable): every matmul twice, 8N
-  FLOPs a token where 6N would do (N parameters), for the least memory.
+- full: a layer keeps its input only and the backward runs its forward again
+  (torch.utils.checkpoint, a call a layer, through transformers' activation_checkpointing_enable):
+  every matmul twice, 8N FLOPs a token where 6N would do (N parameters), for the least memory.
 - selective: the same checkpoint under PyTorch's selective activation checkpointing
   (create_selective_checkpoint_contexts, `policy`): the outputs of the layer's matmuls and of its
   attention (SAVED) are kept from the forward and the replay takes them from there; only the cheap
@@ -12,7 +12,8 @@ the same, only memory and time change). runtime.checkpoint_activations applies t
   6N FLOPs; its memory lies between full's and none's (the matmuls' outputs, not the norms' fp32
   temporaries or the elementwise products).
 - none: autograd keeps whatever each op saves for its backward.
-lab/memory_plan.py plans each one's memory, `python -m lab.bench_train --parts recompute` times them.
+lab/memory_plan.py plans each one's memory; `python -m lab.bench_train --parts recompute` times
+them.
 """
 import functools
 

@@ -13,7 +13,8 @@
 - `make_sampler`, `release_sampler`, `refresh_sampler`: the compute-dtype copy of the policy that
   rollout.generate samples from, its memory given to the training pass in between.
 - `wrap` / `unwrap`: the policy under DDP or FSDP2 (`shard`), and the plain model inside it;
-  `no_dropout` for the train mode that activation checkpointing needs.
+  `no_dropout` for the train mode that activation checkpointing needs; `checkpoint_activations`
+  applies --recompute (systems/recompute.py).
 - `return_freed_memory()`: gives freed memory back to the operating system between passes (glibc).
 """
 import copy
@@ -84,10 +85,10 @@ FUSED_PROJECTIONS_ON = ("cuda",)
 COMPILED_SAMPLER_ON = ()
 
 
-# --recompute auto on CUDA: each decoder layer's whole forward again in the backward pass, as before,
-# until a GPU has timed selective and none at the 1.5B shape (lab/bench_train.py --parts recompute;
-# the rule that picks this default is registered in docs/benchmarks.md). A CPU keeps "full" (no
-# slower there, docs/benchmarks.md)
+# --recompute auto on CUDA: each decoder layer's whole forward again in the backward pass, as
+# before, until a GPU has timed selective and none at the 1.5B shape (lab/bench_train.py --parts
+# recompute; the rule that picks this default is registered in docs/benchmarks.md). A CPU keeps
+# "full" (no slower there, docs/benchmarks.md)
 CUDA_RECOMPUTE = "full"
 
 

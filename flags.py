@@ -147,9 +147,10 @@ group.add_argument("--recompute", default="auto", choices=("auto", *RECOMPUTE),
                         "attention's outputs kept, none = nothing; auto = full, on CUDA "
                         "runtime.CUDA_RECOMPUTE (lab/memory_plan.py plans each)")
 group.add_argument("--grad-checkpointing", dest="recompute", action="store_const", const="full",
-                   help="= --recompute full (kept for older commands)")
+                   default=argparse.SUPPRESS, help="= --recompute full (kept for older commands)")
 group.add_argument("--no-grad-checkpointing", dest="recompute", action="store_const",
-                   const="none", help="= --recompute none (kept for older commands)")
+                   const="none", default=argparse.SUPPRESS,
+                   help="= --recompute none (kept for older commands)")
 group.add_argument("--fsdp", action="store_true",
                    help="shard weights, gradients and AdamW state over the ranks "
                         "(FSDP2, under torchrun)")

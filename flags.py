@@ -9,6 +9,7 @@ from pathlib import Path
 import advantage
 import kl
 from systems import report
+from systems.recompute import CHOICES as RECOMPUTE
 
 # --advantage: the baseline, a function of (returns, group size) in advantage.py
 ADVANTAGES = {"rloo": advantage.rloo, "drgrpo": advantage.group_mean,
@@ -138,10 +139,18 @@ group.add_argument("--logprob-dtype", default="auto",
 group.add_argument("--micro-batch", type=int, default=8,
                    help="sequences per forward/backward (the gradient does not depend on it; 8 "
                         "keeps the default run under 4 GiB whatever the responses' lengths)")
-group.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=True,
-                   help="recompute each decoder layer's activations in the backward pass: the "
-                        "same gradient, ~1 GB less memory at the defaults, no slower on a CPU "
-                        "(docs/benchmarks.md)")
+group.add_argument("--recompute", default="auto", choices=("auto", *RECOMPUTE),
+                   help="what each decoder layer recomputes in the backward pass instead of "
+                        "keeping it (systems/recompute.py; the same gradient): full = all but its "
+                        "input (~1 GB less memory at the defaults, no slower on a CPU: "
+                        "docs/benchmarks.md), selective = the elementwise ops, its matmuls' and "
+                        "attention's outputs kept, none = nothing; auto = full, on CUDA "
+                        "runtime.CUDA_RECOMPUTE (lab/memory_plan.py plans each)")
+group.add_argument("--grad-checkpointing", dest="recompute", action="store_const", const="full",
+                   default=argparse.SUPPRESS, help="= --recompute full (kept for older commands)")
+group.add_argument("--no-grad-checkpointing", dest="recompute", action="store_const",
+                   const="none", default=argparse.SUPPRESS,
+                   help="= --recompute none (kept for older commands)")
 group.add_argument("--fsdp", action="store_true",
                    help="shard weights, gradients and AdamW state over the ranks "
                         "(FSDP2, under torchrun)")

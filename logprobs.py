@@ -134,8 +134,8 @@ def no_grad_logprobs(model, prompts, responses, response_mask, temperature, dtyp
     """token_logprobs (and with entropy=True the entropies, else None) of the whole batch,
     micro-batch by micro-batch (micro_batch_sizes), no gradient. dtype "bf16x6": fp32 whose linear
     layers' matmuls are six bf16 tensor-core products (systems/split_matmul.py), CUDA's default.
-    by_segments: token_logprobs'; off in train.py, whose gradient pass (faster with the block mask
-    on an H200) then computes attention as these passes do."""
+    by_segments: token_logprobs'; train.py's on the devices runtime.BY_SEQUENCES_ON names (none
+    yet: its gradient pass was faster with the block mask on an H200), in every pass alike."""
     parts, start = [], 0
     pieces = contextlib.nullcontext()
     if dtype == "bf16x6":

@@ -65,7 +65,7 @@ import kl
 import logprobs
 import rollout
 from flags import ADVANTAGES, check_flags, parser  # train.parser, train.check_flags: lab/, tests/
-from systems import checkpoint, cuda_decode, report, runtime
+from systems import checkpoint, cuda_decode, report, runtime, segment_attention
 from systems.hub import HubUnreachable
 from systems.metrics import importance_weights, step_metrics
 from systems.model import load_model, load_tokenizer, stop_token_ids
@@ -86,6 +86,8 @@ def main(argv=None):
     args.logprob_dtype = str(logprob_dtype).removeprefix("torch.")  # resolved, as --dtype
     if args.compile_sampler is None:  # resolved too
         args.compile_sampler = device.type in runtime.COMPILED_SAMPLER_ON
+    args.recompute = runtime.recompute_choice(args.recompute, device)  # resolved, as --dtype
+    args.by_segments = device.type in runtime.BY_SEQUENCES_ON  # attention in every pass alike
     print0 = print if rank == 0 else lambda *a, **k: None
     torch.manual_seed(args.seed)
     # the sampler's random stream: each rank its own
@@ -95,8 +97,7 @@ def main(argv=None):
     runtime.stop_if_any_rank(loaded if isinstance(loaded, str) else None, "train.py")
     examples, eval_sets, tokenizer, policy, stop_ids = loaded
     sampler = runtime.make_sampler(policy, device, dtype, args.fsdp)  # rollout.generate, eval
-    if args.grad_checkpointing:
-        runtime.checkpoint_activations(policy)
+    runtime.checkpoint_activations(policy, args.recompute)  # --recompute
     policy = runtime.wrap(policy, device, args.fsdp)
     reference = reference_model(args, device)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.01)
@@ -163,9 +164,10 @@ def main(argv=None):
         # under every KL and ratio)
         policy_logp, entropy = logprobs.no_grad_logprobs(
             policy, prompts, tokens, mask, args.temperature, logprob_dtype, args.micro_batch,
-            entropy=True)
+            entropy=True, by_segments=args.by_segments)
         ref_logp = policy_logp if reference is None else logprobs.no_grad_logprobs(
-            reference, prompts, tokens, mask, args.temperature, logprob_dtype, args.micro_batch)[0]
+            reference, prompts, tokens, mask, args.temperature, logprob_dtype, args.micro_batch,
+            by_segments=args.by_segments)[0]
 
         # ------------------------------------------------------------ shape (eq. 7)
         # Table 1: K1-in-reward, K3-in-reward (--place reward; --place both adds the loss's
@@ -291,7 +293,8 @@ def minibatch_logprobs(args, policy, batch, minibatch, first):
         return batch.policy_logp[minibatch]
     return logprobs.no_grad_logprobs(
         policy, [batch.prompts[r] for r in minibatch], batch.tokens[minibatch],
-        batch.mask[minibatch], args.temperature, logprob_dtype, args.micro_batch)[0]
+        batch.mask[minibatch], args.temperature, logprob_dtype, args.micro_batch,
+        by_segments=args.by_segments)[0]
 
 
 def gradient_logprobs(args, policy, batch, rows, exact_logp):
@@ -300,7 +303,8 @@ def gradient_logprobs(args, policy, batch, rows, exact_logp):
     so the losses' values are exact and only the gradient's direction carries --dtype's rounding."""
     dtype, logprob_dtype = compute_dtypes(args, batch)
     logp, _ = logprobs.token_logprobs(policy, [batch.prompts[r] for r in rows], batch.tokens[rows],
-                                      batch.mask[rows], args.temperature, dtype)
+                                      batch.mask[rows], args.temperature, dtype,
+                                      by_segments=args.by_segments)
     if dtype != logprob_dtype:  # exact_logp's values, this pass's gradient
         logp = logp + (exact_logp - logp).detach()
     return logp
@@ -335,12 +339,14 @@ def tokens_on_all_ranks(mask):
 def micro_batches(args, policy, batch, minibatch):
     """The minibatch's micro-batches of rows (--micro-batch sequences, each RLOO group whole), each
     with the context its backward runs in: DDP all-reduces gradients in the backward of the last
-    micro-batch only (no_sync in the others)."""
+    micro-batch only (no_sync in the others). By sequences, the policy attends by segments until
+    the backward ends: --recompute runs the forward again there."""
     parts = minibatch.split(
         logprobs.micro_batch_sizes([batch.prompts[r] for r in minibatch], args.micro_batch))
     for i, rows in enumerate(parts):
         no_sync = isinstance(policy, DDP) and i < len(parts) - 1
-        yield rows, policy.no_sync() if no_sync else contextlib.nullcontext()
+        with segment_attention.attention(policy) if args.by_segments else contextlib.nullcontext():
+            yield rows, policy.no_sync() if no_sync else contextlib.nullcontext()
 
 
 def backward_over_ranks(loss):

@@ -21,6 +21,10 @@ memory do not depend on the weights), through the trainer's own functions:
   in every pass) and by segments (systems/segment_attention.py: each response attends as its
   own sequence), timed, with peak memory, each pass's attention ops and the log-probs' largest
   difference.
+- recompute (not in the default --parts): the gradient pass at the 1.5B shape (forward and backward
+  over the micro-batches, no optimizer step) under each --recompute choice (full, selective, none:
+  systems/recompute.py), with its peak memory beside lab/memory_plan.py's trace of it, then by
+  sequences under the fastest choice; the JSON is rewritten after each measurement.
 - profile (not in the default --parts): where one group's passes spend their time at the 1.5B shape,
   torch.profiler's kernels (a CPU's ops) largest first: the gradient pass (forward and backward,
   activation checkpointing on, as train.py runs it) and the no-grad pass (train.py's --logprob-dtype
@@ -48,6 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import logprobs
 import rollout
+from systems import recompute
 from systems import runtime
 from systems import segment_attention
 import train
@@ -83,7 +88,7 @@ PRECISIONS = ("float32", "tf32", "bf16x6", "bfloat16", "float16")
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--out", default="bench_train.json", help="the JSON report")
 parser.add_argument("--parts", nargs="+", default=["train", "nograd", "precision", "attention"],
-                    choices=("train", "nograd", "precision", "attention", "profile"))
+                    choices=("train", "nograd", "precision", "attention", "profile", "recompute"))
 parser.add_argument("--shapes", nargs="+", default=["0.5B", "1.5B", "3B", "7B"], choices=SHAPES,
                     help="train uses those up to 1.5B (and tiny), nograd the larger ones, "
                          "precision the 1.5B (or the largest train shape given)")
@@ -207,6 +212,7 @@ def trainer_args(args, dtype):
     flags = train.parser.parse_args(["--kl", "k1", "--place", "reward", "--group-size",
                                      str(args.group_size), "--micro-batch", str(args.micro_batch)])
     flags.dtype = str(dtype).removeprefix("torch.")
+    flags.by_segments = False  # the block mask (train.main resolves it: runtime.BY_SEQUENCES_ON)
     return flags
 
 
@@ -365,14 +371,76 @@ def profile_part(args, shape, device, peak):
 
 
 def set_checkpointing(model, on):
-    """Activation checkpointing on (as train.py turns it on: its default) or off."""
-    if on:
-        getattr(model, "activation_checkpointing_enable",
-                model.gradient_checkpointing_enable)({"use_reentrant": False})
-        model.train()
-        runtime.no_dropout(model)
-    else:
-        getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()
+    """Activation checkpointing on (as train.py turns it on: its default, --recompute full) or
+    off; `on` may also name a --recompute choice (full, selective, none: systems/recompute.py)."""
+    choice = {True: "full", False: "none"}.get(on, on)
+    getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()
+    runtime.checkpoint_activations(model, choice)  # as train.py applies --recompute
+
+
+def gradient_pass(model, args, batch, dtype, by_segments=False, micro_batches=None):
+    """train.py's gradient pass without its losses: each micro-batch's packed forward under
+    autocast to `dtype` (by segments or with the block mask), then its backward (by segments
+    around the backward too: activation checkpointing replays the forward there); the gradients
+    dropped at the end. micro_batches: (start, size) pairs, else logprobs.micro_batch_sizes'."""
+    prompts, responses, mask = batch
+    with segment_attention.attention(model) if by_segments else contextlib.nullcontext():
+        for start, size in micro_batches or zip(*micro_batch_starts(prompts, args.micro_batch)):
+            rows = slice(start, start + size)
+            logp, _ = logprobs.token_logprobs(model, prompts[rows], responses[rows], mask[rows],
+                                              1.0, dtype, by_segments=by_segments)
+            logp.sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
+def recompute_part(args, shape, device, peak, save=lambda result: None):
+    """The gradient pass at `shape` under each --recompute choice (full, selective, none:
+    systems/recompute.py), block mask, each after one group's warm pass: its time, peak memory
+    (with the bytes allocated before it: weights and AdamW's moments), MFU (the recomputation not
+    counted: the model's FLOPs) and lab/memory_plan.py's trace of its largest micro-batch (the
+    pass without its gradients); then by sequences under the fastest choice that ran. A choice out
+    of memory is reported as such; save(result) after each measurement."""
+    from lab import memory_plan
+
+    dtype = runtime.compute_dtype("auto", device)
+    model = build(shape, device)
+    # AdamW's two moments, resident as in a run
+    moments = [torch.zeros_like(param) for param in model.parameters() for _ in range(2)]
+    batch = batch_of(args, model.config.vocab_size, device)
+    prompts = batch[0]
+    largest = max(logprobs.micro_batch_sizes(prompts, args.micro_batch))
+    result = {"shape": shape, "rows": len(prompts), "micro_batch_rows": largest,
+              "dtype": str(dtype).removeprefix("torch."),
+              "adamw_moments_bytes": sum(m.numel() * m.element_size() for m in moments)}
+    warm = [(0, args.group_size)]
+    for choice in (*recompute.CHOICES, "by_sequences"):
+        by_segments = choice == "by_sequences"
+        if by_segments:  # under the fastest choice that ran
+            ran = [c for c in recompute.CHOICES if "s" in result.get(c, {})]
+            if not ran:
+                break
+            best = min(ran, key=lambda c: result[c]["s"])
+            result[choice] = {"recompute": best}
+        set_checkpointing(model, best if by_segments else choice)
+        try:
+            gradient_pass(model, args, batch, dtype, by_segments, warm)
+            before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
+            _, seconds, memory = timed(device, gradient_pass, model, args, batch, dtype,
+                                       by_segments)
+        except torch.OutOfMemoryError as error:
+            result[choice] = {**result.get(choice, {}), "error": str(error).splitlines()[0]}
+            model.zero_grad(set_to_none=True)
+            save(result)
+            continue
+        result[choice] = {**result.get(choice, {}), "s": seconds, "peak_bytes": memory,
+                          "allocated_before_bytes": before,
+                          "tokens_per_s": batch[2].sum().item() / seconds,
+                          **mfus(model, args, len(prompts), True, seconds, peak)}
+        if not by_segments:
+            result[choice]["planned_pass_bytes"] = memory_plan.traced_gradient_pass(
+                model.config, prompts[:largest], args.response_tokens, dtype, choice)
+        save(result)
+    return result
 
 
 def attention_part(args, shape, device, peak):
@@ -388,15 +456,8 @@ def attention_part(args, shape, device, peak):
     result = {"shape": shape, "rows": len(prompts)}
     logps, warm = {}, slice(0, args.group_size)
 
-    def gradient_pass(by_segments, micro_batches=None):
-        # by segments around the backward too: activation checkpointing recomputes the forward there
-        with segment_attention.attention(model) if by_segments else contextlib.nullcontext():
-            for start, size in micro_batches or zip(*micro_batch_starts(prompts, args.micro_batch)):
-                rows = slice(start, start + size)
-                logp, _ = logprobs.token_logprobs(model, prompts[rows], responses[rows], mask[rows],
-                                                  1.0, dtype, by_segments=by_segments)
-                logp.sum().backward()
-        model.zero_grad(set_to_none=True)
+    def grad_pass(by_segments, micro_batches=None):
+        gradient_pass(model, args, (prompts, responses, mask), dtype, by_segments, micro_batches)
 
     def variant(name):
         by_segments = name == "segments"
@@ -409,8 +470,8 @@ def attention_part(args, shape, device, peak):
         result[name] = {"nograd_s": nograd_s, "nograd_peak_bytes": nograd_peak,
                         "attention_ops_nograd": ops}  # kept if the gradient pass fails
         result[name]["attention_ops_gradient"] = attention_ops(  # one group, forward and backward
-            gradient_pass, by_segments, [(0, args.group_size)])
-        _, grad_s, grad_peak = timed(device, gradient_pass, by_segments)
+            grad_pass, by_segments, [(0, args.group_size)])
+        _, grad_s, grad_peak = timed(device, grad_pass, by_segments)
         result[name] |= {"gradient_pass_s": grad_s, "gradient_peak_bytes": grad_peak}
         if by_segments:  # with fp32 matmuls from bf16 pieces too (docs/precision.md)
             logprobs.no_grad_logprobs(model, prompts[warm], responses[warm], mask[warm], 1.0,
@@ -468,6 +529,12 @@ def main(argv=None):
         jobs.append(("attention", small[-1], attention_part))
     if "profile" in args.parts and small:
         jobs.append(("profile", small[-1], profile_part))
+    if "recompute" in args.parts and small:
+        def partial_save(result, name=f"recompute/{small[-1]}"):  # after each measurement
+            report["parts"][name] = result
+            save()
+        jobs.append(("recompute", small[-1],
+                     lambda a, s, d, p: recompute_part(a, s, d, p, partial_save)))
     for part, shape, run in jobs:
         if part not in args.parts:
             continue

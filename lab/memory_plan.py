@@ -18,7 +18,8 @@ Per rank, in each phase of a step (GB = 1e9 bytes); the phase's peak is its sum:
 - no-grad passes: the log-prob pass (in --logprob-dtype) of one micro-batch, with the entropy (the
   policy's pass; the reference's has none).
 - gradient pass: the gradients (fp32) and one micro-batch's forward and backward in the compute
-  dtype.
+  dtype, under train.py's --recompute (systems/recompute.py); the phase's peak under each choice
+  (full, selective, none) is printed after the table, and on CUDA which of them fit the card.
 - FSDP (2+ ranks) adds to both passes the weights it gathers: the root (embeddings, norm, output
   layer) for the whole pass, and two decoder layers (the one computing and the next; in a no-grad
   pass an overcount: it peaks over the vocabulary with every layer resharded). A group's all-gather
@@ -73,6 +74,7 @@ import rollout  # noqa: E402
 from systems import cuda_decode  # noqa: E402
 from systems import runtime  # noqa: E402
 from systems import split_matmul  # noqa: E402
+from systems.recompute import CHOICES as RECOMPUTE  # noqa: E402
 import train  # noqa: E402
 
 GB = 1e9
@@ -287,15 +289,16 @@ def traced_sampling(config, dtype, rows, distinct, prompt_tokens, max_new_tokens
         return traced(prefill), traced(lambda: step(model, cache, state, span=slots))
 
 
-def traced_passes(config, prompts, max_new_tokens, dtype, checkpointing,
+def traced_passes(config, prompts, max_new_tokens, dtype, recompute,
                   logprob_dtype=torch.float32, keep_head_gradient=False):
     """(no-grad pass peak, gradient pass peak without its parameter gradients), bytes, of one
     micro-batch of `prompts` with responses of max_new_tokens tokens, traced on fake tensors: the
     no-grad pass in `logprob_dtype` with the entropy, the gradient pass under autocast to
-    `dtype`; with keep_head_gradient, the output layer's gradient is kept from when it comes to
-    the pass's end (FSDP2 holds it unsharded until the backward ends). `logprob_dtype` "bf16x6"
-    (systems/split_matmul.py): each linear layer's bf16 pieces and their GEMM's fp32 output, as on CUDA (a
-    CPU's GEMM also makes fp32 copies of the pieces)."""
+    `dtype` with --recompute `recompute` (full, selective, none: systems/recompute.py); with
+    keep_head_gradient, the output layer's gradient is kept from when it comes to the pass's end
+    (FSDP2 holds it unsharded until the backward ends). `logprob_dtype` "bf16x6"
+    (systems/split_matmul.py): each linear layer's bf16 pieces and their GEMM's fp32 output, as on
+    CUDA (a CPU's GEMM also makes fp32 copies of the pieces)."""
     responses = torch.zeros(len(prompts), max_new_tokens, dtype=torch.long)
     mask = torch.ones(len(prompts), max_new_tokens)
     pieces = contextlib.nullcontext()
@@ -306,12 +309,18 @@ def traced_passes(config, prompts, max_new_tokens, dtype, checkpointing,
         with torch.no_grad(), pieces, cuda_gemm():
             nograd = traced(lambda: logprobs.token_logprobs(model, prompts, responses, mask, 1.0,
                                                             logprob_dtype, entropy=True))
-        model.requires_grad_(True)
-        if checkpointing:
-            getattr(model, "activation_checkpointing_enable",  # as train.py turns it on
-                    model.gradient_checkpointing_enable)({"use_reentrant": False})
-            model.train()
+    return nograd, traced_gradient_pass(config, prompts, max_new_tokens, dtype, recompute,
+                                        keep_head_gradient)
 
+
+def traced_gradient_pass(config, prompts, max_new_tokens, dtype, recompute,
+                         keep_head_gradient=False):
+    """traced_passes' gradient pass alone (its peak without the parameter gradients, bytes)."""
+    responses = torch.zeros(len(prompts), max_new_tokens, dtype=torch.long)
+    mask = torch.ones(len(prompts), max_new_tokens)
+    with real_layout(), FakeTensorMode(allow_non_fake_inputs=True):
+        model = fake_model(config, torch.float32).requires_grad_(True)
+        runtime.checkpoint_activations(model, recompute)  # as train.py applies --recompute
         head = model.get_output_embeddings().weight
         for param in model.parameters():  # the plan counts the gradients: drop each as it comes
             if not (keep_head_gradient and param is head):
@@ -320,12 +329,13 @@ def traced_passes(config, prompts, max_new_tokens, dtype, checkpointing,
         def gradient_pass():
             logp, _ = logprobs.token_logprobs(model, prompts, responses, mask, 1.0, dtype)
             logp.sum().backward()
-        gradient = traced(gradient_pass)
-    return nograd, gradient
+        return traced(gradient_pass)
 
 
-def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
-    """({phase: {component: bytes}}, facts) for train.py's parsed `flags` on `nproc` ranks."""
+def plan(flags, nproc, gpu_bytes, prompt_tokens, device, every_recompute=False):
+    """({phase: {component: bytes}}, facts) for train.py's parsed `flags` on `nproc` ranks; with
+    every_recompute, facts["gradient_pass_by_recompute"] too: the gradient pass's peak under each
+    --recompute choice, all else as the flags say."""
     config = config_of(flags.model, flags.trust_remote_code)
     with torch.device("meta"):
         meta = fake_model(config, torch.float32)
@@ -372,9 +382,9 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
     # the plan's card is an 80 GB A100 or H100 (sm80/sm90: auto picks bf16x6 on both)
     logprob_dtype = runtime.logprob_dtype(flags.logprob_dtype, torch.device(device),
                                           capability=(9, 0))
+    recompute = runtime.recompute_choice(flags.recompute, torch.device(device))  # as train.py
     nograd, grad_pass = traced_passes(config, prompts[:micro], flags.max_new_tokens, dtype,
-                                      flags.grad_checkpointing, logprob_dtype,
-                                      keep_head_gradient=sharded)
+                                      recompute, logprob_dtype, keep_head_gradient=sharded)
     grads = {} if ddp else {"gradients, fp32": 4 * params * shard}
     # AdamW's denominator sqrt(v) + eps: CUDA's foreach kernel makes it for every tensor at once, a
     # CPU's loop one tensor at a time (a square root, then its quotient: two of the largest)
@@ -424,14 +434,28 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device):
         "gradient pass": {**resident, **grads, **grad_parts},
         "AdamW step": {**resident, **grads, "AdamW's temporary, fp32": adamw_temporary},
     }
+    if every_recompute:  # the gradient pass's moments, its own pass traced under each choice
+        others = {choice: grad_pass if choice == recompute else traced_gradient_pass(
+                      config, prompts[:micro], flags.max_new_tokens, dtype, choice, sharded)
+                  for choice in RECOMPUTE}
+        held = sum(resident.values()) + sum(grads.values())
+        gradient_moments = {moment: sum(parts.values()) for moment, parts in
+                            moments["gradient pass"].items()}
+        by_recompute = {choice: held + max(
+            {**gradient_moments,
+             "in the pass": gradient_moments["in the pass"] - grad_pass + traced_bytes}.values())
+            for choice, traced_bytes in others.items()}
     facts = dict(model=flags.model, params=params, ranks=nproc, fsdp=fsdp, dtype=str(dtype)[6:],
-                 rows_per_rank=rows, generate_rows=call_rows, micro_batch_rows=micro,
+                 recompute=recompute, rows_per_rank=rows, generate_rows=call_rows,
+                 micro_batch_rows=micro,
                  prompt_tokens=prompt_tokens, max_new_tokens=flags.max_new_tokens, slots=slots,
                  prefill_bytes=prefill, decode_step_bytes=decode,
                  peak_moments=peaks,  # and each moment's bytes above the parts held all
                  # step (weights, AdamW, the reference, the gradients)
                  moments={phase: {moment: sum(parts.values()) for moment, parts in options.items()}
                           for phase, options in moments.items()})
+    if every_recompute:
+        facts["gradient_pass_by_recompute"] = by_recompute
     return table, facts
 
 
@@ -440,8 +464,9 @@ def advice(table, gpu_bytes, flags):
     more_gpus = "more GPUs" if flags.fsdp else "more GPUs with --fsdp"
     tips = {"sampling": "--generate-rows (fewer rows a generate call)",
             "no-grad passes": f"--micro-batch (fewer rows a pass), or {more_gpus}",
-            "gradient pass": "--micro-batch" + ("" if flags.grad_checkpointing else
-                                                 ", --grad-checkpointing") + f", or {more_gpus}",
+            "gradient pass": "--micro-batch" + (
+                "" if runtime.recompute_choice(flags.recompute, torch.device("cuda")) == "full"
+                else ", --recompute full") + f", or {more_gpus}",
             "AdamW step": more_gpus}
     return {phase: tips[phase] for phase, parts in table.items()
             if sum(parts.values()) > gpu_bytes}
@@ -590,7 +615,8 @@ def main(argv=None):
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     prompt_tokens, counted = ((args.prompt_tokens, "--prompt-tokens") if args.prompt_tokens
                               is not None else longest_prompt(flags))
-    table, facts = plan(flags, args.nproc, args.gpu_gb * GB, prompt_tokens, args.device)
+    table, facts = plan(flags, args.nproc, args.gpu_gb * GB, prompt_tokens, args.device,
+                        every_recompute=True)
     measured = measure(args.nproc, train_argv) if args.measure else {}
     facts["host_gb_per_node"] = 4 * facts["params"] * -(-args.nproc // args.nodes) / GB
     print(f"{facts['model']}: {facts['params'] / 1e9:.2f}B parameters, {args.nproc} rank(s)"
@@ -610,6 +636,13 @@ def main(argv=None):
             print(f"  {nbytes / GB:8.2f}  {name}")
     print(f"\nhost memory of a node while its ranks build the model: "
           f"~{facts['host_gb_per_node']:.0f} GB (each rank's fp32 model)")
+    by_recompute = facts["gradient_pass_by_recompute"]
+    print(f"\nthe gradient pass by --recompute (train.py's: {facts['recompute']}): "
+          + ", ".join(f"{choice} {nbytes / GB:.2f} GB" for choice, nbytes in by_recompute.items()))
+    if args.device == "cuda":
+        fit = [choice for choice, nbytes in by_recompute.items() if nbytes <= args.gpu_gb * GB]
+        print(f"  fit {args.gpu_gb:g} GB: {', '.join(fit) or 'none of them'}"
+              + ("" if "none" in fit else " (--recompute none does not)"))
     tips = advice(table, args.gpu_gb * GB, flags) if args.device == "cuda" else {}
     for phase, tip in tips.items():
         print(f"does not fit {args.gpu_gb:g} GB in {phase}: lower it with {tip}")

@@ -201,7 +201,7 @@ PLANS = {
     },
 }
 # flags that change nothing a run computes or logs: a reused run may differ in them
-REUSE_IGNORED = {"out", "resume", "save_every", "micro_batch", "grad_checkpointing", "fsdp",
+REUSE_IGNORED = {"out", "resume", "save_every", "micro_batch", "recompute", "fsdp",
                  "max_bad_steps", "trust_remote_code"}
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 

@@ -13,7 +13,8 @@
 - `make_sampler`, `release_sampler`, `refresh_sampler`: the compute-dtype copy of the policy that
   rollout.generate samples from, its memory given to the training pass in between.
 - `wrap` / `unwrap`: the policy under DDP or FSDP2 (`shard`), and the plain model inside it;
-  `no_dropout` for the train mode that activation checkpointing needs.
+  `no_dropout` for the train mode that activation checkpointing needs; `checkpoint_activations`
+  applies --recompute (systems/recompute.py).
 - `return_freed_memory()`: gives freed memory back to the operating system between passes (glibc).
 """
 import copy
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from systems import cuda_decode, split_matmul
+from systems import cuda_decode, recompute, split_matmul
 
 try:  # glibc, for return_freed_memory
     _libc = ctypes.CDLL("libc.so.6")
@@ -89,6 +90,20 @@ COMPILED_SAMPLER_ON = ()
 # the rows. Nowhere until a GPU has timed it against SDPA (the rule that decides "cuda" is
 # registered in docs/benchmarks.md)
 FLEX_DECODE_ON = ()
+
+
+# --recompute auto on CUDA: each decoder layer's whole forward again in the backward pass, as
+# before, until a GPU has timed selective and none at the 1.5B shape (lab/bench_train.py --parts
+# recompute; the rule that picks this default is registered in docs/benchmarks.md). A CPU keeps
+# "full", the least memory (a CPU's memory is shared with everything else on the machine)
+CUDA_RECOMPUTE = "full"
+
+
+# where train.py computes attention by sequences (systems/segment_attention.py) in every pass, the
+# no-grad passes and the gradient pass alike, so the KL's values in the reward and in the loss stay
+# one computation: nowhere until a GPU has timed it (the rule that adds "cuda" is registered in
+# docs/benchmarks.md, "attention by sequences"); a CPU keeps the block mask (studies/sequences-cpu)
+BY_SEQUENCES_ON = ()
 
 
 # --generate-rows auto: the share of the GPU memory free when a rollout starts that its KV cache may
@@ -254,12 +269,23 @@ def no_dropout(model):
             module.attention_dropout = 0.0
 
 
-def checkpoint_activations(policy):
-    """--grad-checkpointing: recompute each decoder layer's activations in the backward pass."""
+def recompute_choice(name, device):
+    """--recompute `name` on `device`: "auto" is CUDA_RECOMPUTE on CUDA, "full" elsewhere."""
+    if name == "auto":
+        return CUDA_RECOMPUTE if device.type == "cuda" else "full"
+    return name
+
+
+def checkpoint_activations(policy, choice="full"):
+    """--recompute `choice` (systems/recompute.py): each decoder layer checkpointed, all of its
+    activations recomputed in the backward pass (full) or its elementwise ops only (selective);
+    none leaves the policy as it is."""
+    if choice == "none":
+        return
     # recent transformers 5 call it activation_checkpointing_enable
     enable = getattr(policy, "activation_checkpointing_enable",
                      policy.gradient_checkpointing_enable)
-    enable({"use_reentrant": False})
+    enable(recompute.checkpoint_kwargs(choice))
     policy.train()  # transformers checkpoints only in train mode: keep dropout off, as in eval
     no_dropout(policy)
 

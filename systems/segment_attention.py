@@ -23,10 +23,11 @@ responses short (500 tokens against 5 x 20) that is more than the block mask's.
 
 Measured on an H200 at the Qwen2.5-1.5B shape (docs/benchmarks.md), in an earlier version (each
 segment a 3-D tensor under a boolean mask, SDPA's math kernels): a no-grad pass took 0.87 of the
-block mask's time in fp32, a gradient pass 1.22. train.py keeps the block mask in every pass for
-now: the values of the KL in the reward (no-grad passes) and in the loss (the gradient pass, whose
-own values it uses where the two passes share a dtype) come from one computation. The rule that
-decides at the next GPU measurement, and its prediction, are registered in docs/benchmarks.md.
+block mask's time in fp32, a gradient pass 1.22. train.py takes one way in every pass (by sequences
+on the devices runtime.BY_SEQUENCES_ON names: none yet), so the values of the KL in the reward
+(no-grad passes) and in the loss (the gradient pass, whose own values it uses where the two passes
+share a dtype) come from one computation. The rule that decides at the next GPU measurement, and
+its prediction, are registered in docs/benchmarks.md.
 `attention(model)` makes segment_attention `model`'s attention function inside a `with` (a
 transformers attention function: the model's forward passes its `segments` keyword down to it).
 """

@@ -127,3 +127,37 @@ def test_each_card_gets_its_own_peak(monkeypatch, name, peak):
     an A100 not for an A10, an L40S not for an L4; a card not in the table gets no MFU."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert bench_train.machine(torch.device("cuda"))["bf16_peak_flops"] == peak
+
+def test_the_recompute_part_times_each_choice_and_saves_after_each(tmp_path, one_thread,
+                                                                   monkeypatch):
+    """--parts recompute: the gradient pass under --recompute full, selective and none (applied as
+    train.py applies them), each timed beside memory_plan's trace of its pass (full's the
+    smallest, none's the largest), then by sequences under the fastest of them; the JSON is
+    rewritten after each measurement, so a timeout keeps what finished."""
+    from systems import runtime
+
+    applied, checkpoint_activations = [], runtime.checkpoint_activations
+    seen, write_text = [], type(tmp_path).write_text
+
+    def recorded(model, choice="full"):
+        applied.append(choice)
+        return checkpoint_activations(model, choice)
+
+    def snapshot(path, text):  # the recompute part's measurements in each write of the JSON
+        seen.append(sorted(json.loads(text)["parts"].get("recompute/tiny", {})))
+        return write_text(path, text)
+    monkeypatch.setattr(runtime, "checkpoint_activations", recorded)
+    monkeypatch.setattr(type(tmp_path), "write_text", snapshot)
+    report = bench_train.main([*TINY, "--parts", "recompute", "--out", str(tmp_path / "b.json")])
+    result = report["parts"]["recompute/tiny"]
+    choices = ("full", "selective", "none")
+    assert all(result[choice]["s"] > 0 for choice in (*choices, "by_sequences")), result
+    planned = [result[choice]["planned_pass_bytes"] for choice in choices]
+    assert planned == sorted(planned) and planned[0] < planned[2], planned
+    fastest = min(choices, key=lambda choice: result[choice]["s"])
+    assert result["by_sequences"]["recompute"] == fastest
+    # each choice on the model, then on memory_plan's fake one; by sequences on the model
+    assert applied == [choice for choice in choices for _ in range(2)] + [fastest]
+    measured = [[key for key in keys if key in (*choices, "by_sequences")] for keys in seen]
+    assert measured[:5] == [[], ["full"], ["full", "selective"], ["full", "none", "selective"],
+                            ["by_sequences", "full", "none", "selective"]], seen

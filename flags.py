@@ -84,8 +84,9 @@ group.add_argument("--top-p", type=float, default=1.0,
 group.add_argument("--compile-sampler", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the fixed-shape decode step (CUDA's loop) with torch.compile, "
                         "Inductor fusing each layer's small kernels (cuda_decode.compiled_step: "
-                        "one layer compiled at the first step, for every layer); default: on the "
-                        "devices runtime.COMPILED_SAMPLER_ON names (none until a GPU has timed it)")
+                        "a layer's two regions compiled at the first step, for every layer); "
+                        "default: on the devices runtime.COMPILED_SAMPLER_ON names (none until a "
+                        "GPU has timed it)")
 group.add_argument("--generate-rows", type=int, default=0,
                    help="rows one generate call decodes at a time, sampling and --eval-every's "
                         "evaluation (0 = auto: as many as fit their KV cache in half the GPU "

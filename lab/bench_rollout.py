@@ -75,7 +75,7 @@ decode.add_argument("--hf-compiled", nargs="*", default=["smollm2-135m:64"], met
 decode.add_argument("--ours-compiled", nargs="*", default=["smollm2-135m:64"],
                     metavar="MODEL:BATCH",
                     help="where ours also runs with its step compiled by torch.compile before the "
-                         "capture (cuda_decode.compiled_step: one decoder layer, a compile a "
+                         "capture (cuda_decode.compiled_step: a layer's two regions, a compile a "
                          "shape; on a CPU without the capture)")
 decode.add_argument("--samplers", nargs="+", metavar="NAME",
                     choices=("ours graphed", "ours flex", "ours unfused", "ours compiled",

@@ -1,5 +1,6 @@
 """Compile time of the sampler's compiled decode step (issue 55): cuda_decode.compiled_step, the
-regional compile (one decoder layer, compiled once for every layer), against the whole decode
+regional compile (a decoder layer's two regions around attention, each compiled once for every
+layer), against the whole decode
 compiled as one graph (compiled_step before 2026-11-29), both with Inductor, on a random-weight
 model of SmolLM2-135M's shape (lab/bench_rollout.py's SHAPES; --layers fewer), projections
 fused as train.py's GPU sampler has them. Each compile runs in a fresh process with Inductor's

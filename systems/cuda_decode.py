@@ -8,8 +8,9 @@ CPU. What this module does about it, each measured in docs/benchmarks.md:
 - CUDA graphs (capture, capture_stream): the step, which reads and writes only rollout.Decoding's
   tensors in place and never syncs with the host, is captured once per attention span and
   replayed; the span is a multiple of rollout.SPAN_BUCKET, so one graph serves that many steps.
-- torch.compile of the step's decoder layers, regionally: one layer's graph, compiled once, runs
-  every layer (compiled_step, opt-in: train.py --compile-sampler).
+- torch.compile of the step's decoder layers, regionally: the two regions of a layer around its
+  attention, each compiled once, run in every layer (compiled_step, opt-in: train.py
+  --compile-sampler).
 - Fused projections (fuse_projections): each layer's q/k/v and gate/up weights as one GEMM each.
 - Fewer kernels for the same formulas: RMSNorm through F.rms_norm (one fused kernel on CUDA where
   the module runs seven; on a CPU the module's own ops, bit for bit), rope with its sign folded
@@ -77,30 +78,31 @@ def static_step(model, cache, state, span, flash=False, flex=False, layer_fn=Non
 @functools.cache
 def compiled_step(backend="inductor"):
     """static_step with its decoder layers compiled by torch.compile (Inductor on CUDA; the tests
-    trace it with other backends), regionally: decoder_layer is compiled once, and that one graph
-    runs every layer, the layer's weights being its inputs (PyTorch's recipe "Reducing
-    torch.compile cold start compilation time with regional compilation"). At SmolLM2's shape,
-    Inductor on one thread of a shared CPU, its first step took 38 and 39 s, against 333 and 376 s
-    for the whole decode as one graph, every layer unrolled (lab/compile_decode.py; its warm-up
-    took 106.5 s at the 7B shape on an H200, 2026-11-28). Its 28 ops a layer (joined, as on CUDA)
-    fuse into fewer kernels, gpt-fast's recipe for a step whose kernels each cost more than their
-    work (a graphed SmolLM2 step: ~4 ms for ~0.1 ms of memory traffic, docs/benchmarks.md). The
-    rest of the step, run once a step, stays eager, sampling included: Inductor's split scan fails
-    to compile the top-p/inverse-CDF cumsum fused with the softmax before it (pytorch#180221, "list
-    indices must be integers or slices, not NoneType", on an H200). Symbolic shapes from the first
-    call (dynamic=True): the rows, the span and the cache's length change from call to call in a
-    run, and a compile specialized to the first would compile again; a chunk of one row compiles
-    once more (PyTorch specializes sizes 0 and 1). Opt-in (generate(compiled=True); train.py
-    --compile-sampler)."""
-    from torch.fx.experimental import _config as shapes_config
-
-    layer = torch.compile(decoder_layer, fullgraph=True, dynamic=True, backend=backend)
-    # each size its own symbol, though two be equal at the first call (span = max_len: duck sizing
-    # would tie them, and compile again at the first span below max_len); the norms' eps and
-    # attention's scale as constants (symbolic, the graph would read each from a tensor)
-    layer = shapes_config.patch(use_duck_shape=False)(layer)
-    layer = torch._dynamo.config.patch(specialize_float=True)(layer)
-    return functools.partial(static_step, layer_fn=layer)
+    trace it with other backends too), regionally: each of a layer's two regions around attention,
+    attention_inputs_of (the input norm, the q/k/v projections, rope) and layer_output (the output
+    projection, the residuals, the MLP and its norm), is compiled once, and its one graph runs in
+    every layer, the layer's weights being its inputs (PyTorch's recipe "Reducing torch.compile
+    cold start compilation time with regional compilation"). At SmolLM2's shape, Inductor on one
+    thread of a shared CPU, the first step of one compiled layer took 38 and 39 s, against 333 and
+    376 s for the whole decode as one graph (lab/compile_decode.py; 106.5 s of warm-up at the 7B
+    shape on an H200, 2026-11-28). The regions fuse the layer's elementwise ops (norms, rope,
+    residuals, SiLU x up) into fewer kernels, gpt-fast's recipe for a step whose kernels each cost
+    more than their work (a graphed SmolLM2 step: ~4 ms for ~0.1 ms of memory traffic,
+    docs/benchmarks.md). Attention and its cache writes stay outside: the span a step reads (and
+    flash-attn's kernel, which Dynamo cannot trace) never enters a compiled graph, where Inductor
+    guarded on whether the span equals the cache's length (the keys' contiguity) and compiled
+    again when it changed. The rest of the step, run once a step, stays eager, sampling included:
+    Inductor's split scan fails to compile the top-p/inverse-CDF cumsum fused with the softmax
+    before it (pytorch#180221, on an H200). Symbolic shapes from the first call (dynamic=True): the
+    rows change from call to call in a run; a chunk of one row compiles once more (PyTorch
+    specializes sizes 0 and 1). Opt-in (generate(compiled=True); train.py --compile-sampler)."""
+    def compiled(region):
+        region = torch.compile(region, fullgraph=True, dynamic=True, backend=backend)
+        # the norms' eps as constants (symbolic, the graph would read each from a tensor)
+        return torch._dynamo.config.patch(specialize_float=True)(region)
+    regions = (compiled(attention_inputs_of), compiled(layer_output))
+    return functools.partial(static_step, layer_fn=functools.partial(decoder_layer,
+                                                                     regions=regions))
 
 
 @functools.cache
@@ -164,22 +166,35 @@ def forward(model, input_ids, cache, span, flash=False, flex=False, layer_fn=Non
 
 
 def decoder_layer(layer, x, k_cache, v_cache, start, positions, cos, sin, mask, flash=False,
-                  flex=False):
+                  flex=False, regions=(None, None)):
     """One decoder layer on the hidden states x (n * L, hidden) of positions (n, L): attention,
     its K/V written into this layer's cache rows k_cache, v_cache (n, max_len, kv_heads,
     head_dim) after start (seqlens), then the MLP, each with its residual. `mask`: SDPA's causal
-    bias, flex's block mask, None for flash. The unit compiled_step compiles, once for every
-    layer."""
-    n, L = positions.shape
+    bias, flex's block mask, None for flash. `regions`: the compiled forms of attention_inputs_of
+    and layer_output (compiled_step), each compiled once for every layer."""
+    inputs, output = regions
+    q, k, v = (inputs or attention_inputs_of)(layer, x, cos, sin)
     attn = layer.self_attn
-    q, k, v = attention_inputs(attn, rms_norm(layer.input_layernorm, x), n, L, cos, sin)
     if flash:
         out = flash_attention(q, k, v, k_cache, v_cache, start, attn.scaling)
     elif flex:
         out = flex_attention(q, k, v, k_cache, v_cache, positions, mask, attn.scaling)
     else:
         out = rollout.sdpa_attention(q, k, v, k_cache, v_cache, positions, mask, attn.scaling)
-    x = x + attn.o_proj(out.reshape(n * L, -1))
+    return (output or layer_output)(layer, x, out)
+
+
+def attention_inputs_of(layer, x, cos, sin):
+    """The layer's q, k and v from the hidden states x (n * L, hidden): its input norm, then
+    attention_inputs (cos, sin: (n, L, 1, head_dim))."""
+    n, L = cos.shape[:2]
+    return attention_inputs(layer.self_attn, rms_norm(layer.input_layernorm, x), n, L, cos, sin)
+
+
+def layer_output(layer, x, out):
+    """The layer's output from its input x (n * L, hidden) and attention's out (n, L, ...): the
+    output projection and its residual, then the MLP on the normed sum and its residual."""
+    x = x + layer.self_attn.o_proj(out.reshape(x.shape[0], -1))
     return x + mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, x))
 
 

@@ -10,9 +10,9 @@ Llama, Qwen2 and Qwen3 models in fp32 (test_rollout.py's):
   per rollout.ALL_DONE_EVERY steps over a whole generate (counted with a TorchDispatchMode); the
   cache's and the step's tensors keep their addresses; torch.compile(fullgraph=True) traces the
   step without a graph break (backend "eager": it only traces);
-- the compiled step (cuda_decode.compiled_step, one decoder layer compiled for every layer): one
-  graph over a train.py-shaped run of generate calls, no sync inside it, and with Inductor the
-  plain step's samples;
+- the compiled step (cuda_decode.compiled_step, a decoder layer's two regions around attention
+  compiled for every layer): one graph a region over a train.py-shaped run of generate calls
+  (Inductor's guards included), no sync inside them, and with Inductor the plain step's samples;
 - the step's aten ops no more than Hugging Face generate's per step.
 The flash branch of the loop runs in test_cuda_paths.py (the stand-in), the graphs in test_gpu.py,
 the benchmark's CPU run in test_bench_decode below.
@@ -437,10 +437,11 @@ def test_bench_decode_writes_each_repeat_as_it_goes(tmp_path):
 
 def test_the_compiled_step_plumbs_through_generate(monkeypatch):
     """generate(compiled=True) runs cuda_decode.compiled_step in the decode loop (traced here with a
-    backend that runs the traced graph as it is: Inductor is for a GPU), whose compiled graph is one
-    decoder layer's, without the sampler, run for both layers, and samples what the plain step
-    samples; generate (fast=False), rollout's own step, ignores it. One trace serves every span and
-    cache length (other prompts and max_new_tokens): a specialized compile would trace again."""
+    backend that runs the traced graph as it is), whose compiled graphs are a decoder layer's two
+    regions around attention, without the sampler, each run for both layers, and samples what the
+    plain step samples; generate (fast=False), rollout's own step, ignores it. One trace a region
+    serves every span and cache length (other prompts and max_new_tokens): a specialized compile
+    would trace again."""
     model = tiny_model("qwen3")
     torch._dynamo.reset()
     calls, traces = [], []
@@ -460,15 +461,16 @@ def test_the_compiled_step_plumbs_through_generate(monkeypatch):
                                 fast=fast, generator=torch.Generator().manual_seed(1),
                                 compiled=compiled)
     plain, compiled = run(False), run(True)
-    assert calls == [1] and len(traces) == 1
+    assert calls == [1] and len(traces) == 2
     # the model's part only: Inductor's split scan fails on the sampler's cumsum (pytorch#180221)
-    assert "linear" in traces[0] and "cumsum" not in traces[0] and "sort" not in traces[0]
+    assert all("linear" in trace and "cumsum" not in trace and "sort" not in trace
+               for trace in traces)
     assert plain.response_ids == compiled.response_ids
     torch.testing.assert_close(plain.token_logprobs, compiled.token_logprobs)
     run(True, fast=False)
     assert calls == [1]
     run(True, prompts=[p + [5, 6, 7] for p in MIXED], max_new_tokens=6)  # a new span and length
-    assert calls == [1, 1] and len(traces) == 1, traces
+    assert calls == [1, 1] and len(traces) == 2, traces
     torch._dynamo.reset()
 
 
@@ -493,21 +495,26 @@ def graph_counter(graphs, backend=None, ops=None):
 
 
 def test_the_compiled_step_compiles_once_in_a_train_run(monkeypatch):
-    """train.py --compile-sampler compiles one decoder layer once, for every layer of every
-    generate call of a run (cuda_decode.compiled_step, a regional compile): the calls differ in
+    """train.py --compile-sampler compiles a decoder layer's two regions once each, for every
+    layer of every generate call of a run (cuda_decode.compiled_step, a regional compile, by
+    Inductor as on a GPU: its guards, not only Dynamo's, decide a recompile): the calls differ in
     their prompts' lengths (the cache's length), in rows (--generate-rows auto chunks a step's
     rows by the memory free then), and their spans run from rollout.SPAN_BUCKET up to the cache's
     length (max_new_tokens above SPAN_BUCKET, as train.py's 1,024: span below max_len) or sit at
     it from the first step (short responses). A compile per layer, per span, per length or per
-    row count would show as a second graph: each a minute or more at the 7B shape on a GPU. Each
+    row count would show as a third graph: each a minute or more at the 7B shape on a GPU. Each
     call samples what the plain step samples. The projections joined, as train.py's sampler on a
     GPU has them."""
+    from torch._inductor.compile_fx import compile_fx
+
     model = lively(tiny_model("qwen2"))
     cuda_decode.fuse_projections(model)
     torch._dynamo.reset()
     graphs = []
     monkeypatch.setattr(cuda_decode, "compiled_step",
-                        functools.partial(cuda_decode.compiled_step, graph_counter(graphs)))
+                        functools.partial(cuda_decode.compiled_step,
+                                          graph_counter(graphs, backend=compile_fx)))
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)  # a region's second
     spans, fast = set(), cuda_decode.fast
 
     def recorded(model, compiled, cuda_graphs):  # which spans the steps read
@@ -532,7 +539,7 @@ def test_the_compiled_step_compiles_once_in_a_train_run(monkeypatch):
         assert plain.response_ids == compiled.response_ids
         torch.testing.assert_close(plain.token_logprobs, compiled.token_logprobs)
     assert spans == {"below max_len", "max_len"}, spans
-    assert len(graphs) == 1, f"{len(graphs)} graphs compiled"
+    assert len(graphs) == 2, f"{len(graphs)} graphs compiled (one a region: 2)"
     torch._dynamo.reset()
 
 
@@ -549,7 +556,7 @@ def test_the_compiled_step_never_waits_for_the_host(family):
     cache, state, span = started(model, MIXED, 10, eos=[3, 4, 5], top_p=0.8)
     for _ in range(9):
         step(model, cache, state, span)
-    assert len(graphs) == 1 and len(ops) == 9 * model.config.num_hidden_layers
+    assert len(graphs) == 2 and len(ops) == 9 * 2 * model.config.num_hidden_layers
     assert all(counter.ops > 0 and counter.syncs == [] for counter in ops)
     torch._dynamo.reset()
 
@@ -572,7 +579,7 @@ def test_inductor_compiles_the_layer_on_a_cpu():
                            for compiled in (False, True))
         assert plain.response_ids == compiled.response_ids
         torch.testing.assert_close(plain.token_logprobs, compiled.token_logprobs)
-    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["stats"]["unique_graphs"] == 2  # one a region
     torch._dynamo.reset()
 
 

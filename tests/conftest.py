@@ -1,11 +1,23 @@
 """Fixtures the test files share: the embedded SmolLM2 tokenizer, tiny random Llamas (plain, or
 wired as a token chain whose samples we know), the letter-choice model and task that the trainer
 tests learn on, and one torch thread for tiny models."""
+import getpass
 import importlib.util
 import json
+import os
+import tempfile
 
-import pytest
-import torch
+# Inductor's on-disk cache is not keyed on ATEN_CPU_CAPABILITY or ONEDNN_MAX_CPU_ISA: under AVX2
+# emulation (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2) on a machine whose cache a native run
+# had filled, the compiled step and flex decode sampled other tokens than the plain step (with a
+# fresh cache: the same). So each emulated setting gets a cache of its own, set before torch loads.
+_ISA = "-".join(os.environ.get(name, "") for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"))
+if _ISA != "-" and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{_ISA.lower()}")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # distinct prompts of the letter-choice task, all answered B
 QUESTIONS = ["Which letter comes after A?", "Which letter comes before C?",

@@ -102,6 +102,8 @@ decode.add_argument("--budget", type=float, default=390,
                     help="seconds: measurements not started by then are marked skipped")
 decode.add_argument("--out", default="decode.json", help="the JSON report")
 args = parser.parse_args()
+if args.bandwidth is not None and not args.bandwidth > 0:
+    parser.error(f"--bandwidth must be a positive figure in GB/s, got {args.bandwidth}")
 
 import torch  # noqa: E402  (after argparse so --help is instant)
 

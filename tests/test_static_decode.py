@@ -408,6 +408,9 @@ def test_bench_decode_runs_on_a_cpu(tmp_path):
     (row,) = report["step_ms"]
     before = next(r for r in first["step_ms"] if r["sampler"] == "ours eager")
     assert row["floor_ms"] == pytest.approx(before["floor_ms"] * first["read_bandwidth_GBps"] / 2.5)
+    refused = subprocess.run([sys.executable, "-m", "lab.bench_rollout", "--decode", "--allow-cpu",
+                              "--bandwidth", "0"], cwd=ROOT, capture_output=True, text=True)
+    assert refused.returncode == 2 and "--bandwidth must be a positive" in refused.stderr
 
 
 def test_bench_decode_writes_each_repeat_as_it_goes(tmp_path):

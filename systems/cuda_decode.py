@@ -68,9 +68,9 @@ def fast(model, compiled=False, cuda_graphs=True):
 
 @torch.no_grad()
 def static_step(model, cache, state, span, flash=False, flex=False, layer_fn=None):
-    """rollout.decode_step through this module's decode (its layers through `layer_fn`, the
-    compiled decoder_layer, where given) and block inverse CDF: every row feeds its last token and
-    samples its next one, no host sync."""
+    """rollout.decode_step through this module's decode (its layers through `layer_fn` where given:
+    decoder_layer with compiled_step's compiled regions) and block inverse CDF: every row feeds its
+    last token and samples its next one, no host sync."""
     rollout.take(decode(model, state.tokens, cache, span, flash, flex, layer_fn), state,
                  draw=inverse_cdf)
 
@@ -142,8 +142,8 @@ def forward(model, input_ids, cache, span, flash=False, flex=False, layer_fn=Non
     """rollout.forward in fewer kernels: the same decoder over input_ids (n, L) for the n cache
     rows, K/V appended after seqlens (a prefill's bucket, or a decode step). SDPA reads slots
     0..span-1 of every row; flash and flex (span unused) each row's own seqlens + L (flex: rounded
-    up to whole FLEX_BLOCKs). Each layer runs decoder_layer, or `layer_fn`, its compiled form
-    (compiled_step)."""
+    up to whole FLEX_BLOCKs). Each layer runs decoder_layer, or `layer_fn` (compiled_step's: with
+    its compiled regions)."""
     base = model.model
     n, L = input_ids.shape
     start = cache.seqlens

@@ -173,9 +173,10 @@ def linear_ceiling(model, rows, reps=7):
     return 2 * rows * sum(m.weight.numel() for m in linears) / seconds
 
 
-def read_bandwidth(megabytes=512, reps=7):
-    """Bytes/s of summing a large fp32 tensor: how fast this CPU streams memory
-    (weights, KV cache)."""
+def read_bandwidth(reps=7):
+    """Bytes/s of summing a large fp32 tensor (2 GB on a GPU, 512 MB on a CPU): how fast the
+    device streams memory (weights, KV cache)."""
+    megabytes = 2048 if DEVICE.type == "cuda" else 512
     x = torch.ones(megabytes * 2**18, device=DEVICE)
     return x.numel() * 4 / median_seconds(x.sum, reps)
 
@@ -392,8 +393,8 @@ def warm(runs, n, longest, report):
     model.generate warms up at the longest length: its static cache keeps the longest length seen,
     so the timed calls meet no new shape; our compiled step and flex at both (a new length is a
     new cache shape: its graphs are captured anew, and a compile that specialized would
-    recompile). Also returns the graphs torch.compile compiled in each (ours compiled: 1, its
-    decoder layer)."""
+    recompile). Also returns the graphs torch.compile compiled in each (ours compiled: 2, its
+    layer's two regions; ours flex: 1)."""
     from torch._dynamo.utils import counters
 
     seconds, graphs = {}, {}
@@ -635,7 +636,7 @@ def decode_benchmark():
     n1, n2 = args.steps or ((16, 96) if cuda else (4, 12))
     prompt_len = args.prompt_len or (128 if cuda else 16)
     measured = args.bandwidth is None
-    bandwidth = read_bandwidth(megabytes=2048 if cuda else 512) if measured else args.bandwidth * 1e9
+    bandwidth = read_bandwidth() if measured else args.bandwidth * 1e9
     report = dict(device=torch.cuda.get_device_name() if cuda else "cpu", dtype=str(dtype),
                   torch=torch.__version__, threads=torch.get_num_threads(),
                   read_bandwidth_GBps=bandwidth / 1e9,
@@ -694,7 +695,7 @@ if args.memory_probe:
     memory_probe(args.memory_probe[0], int(args.memory_probe[1]))
     sys.exit()
 if args.measure_bandwidth:  # one figure for a run's commands (--bandwidth)
-    print(f"{read_bandwidth(megabytes=2048 if DEVICE.type == 'cuda' else 512) / 1e9:.1f}")
+    print(f"{read_bandwidth() / 1e9:.1f}")
     sys.exit()
 if args.decode:
     sys.exit(decode_benchmark())

@@ -272,7 +272,7 @@ def train_part(args, shape, device, peak):
     result["attention_ops_gradient"] = sorted(mode.ops)
     policy.zero_grad(set_to_none=True)
     for checkpointing in (True, False):
-        set_checkpointing(policy, checkpointing)
+        set_recompute(policy, "full" if checkpointing else "none")
         try:
             _, seconds, memory = timed(device, train.update, flags, policy, optimizer, batch,
                                        torch.arange(len(prompts)), True)
@@ -330,7 +330,7 @@ def profile_part(args, shape, device, peak):
     dtype, logprob_dtype = (runtime.compute_dtype("auto", device),
                             runtime.logprob_dtype("auto", device))  # as train.py resolves them
     policy = build(shape, device)
-    set_checkpointing(policy, True)
+    set_recompute(policy, "full")
     prompts, responses, mask = batch_of(args, policy.config.vocab_size, device)
     group = slice(0, args.group_size)
 
@@ -370,10 +370,9 @@ def profile_part(args, shape, device, peak):
     return result
 
 
-def set_checkpointing(model, on):
-    """Activation checkpointing on (as train.py turns it on: its default, --recompute full) or
-    off; `on` may also name a --recompute choice (full, selective, none: systems/recompute.py)."""
-    choice = {True: "full", False: "none"}.get(on, on)
+def set_recompute(model, choice):
+    """--recompute `choice` (full, train.py's default on a CPU; selective; none:
+    systems/recompute.py) on the model, in place of the one it had."""
     getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()
     runtime.checkpoint_activations(model, choice)  # as train.py applies --recompute
 
@@ -421,7 +420,7 @@ def recompute_part(args, shape, device, peak, save=lambda result: None):
                 break
             best = min(ran, key=lambda c: result[c]["s"])
             result[choice] = {"recompute": best}
-        set_checkpointing(model, best if by_segments else choice)
+        set_recompute(model, best if by_segments else choice)
         try:
             gradient_pass(model, args, batch, dtype, by_segments, warm)
             before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
@@ -451,7 +450,7 @@ def attention_part(args, shape, device, peak):
     bf16 pieces (bf16x6). A variant out of memory is reported as such, and the other still runs."""
     dtype = runtime.compute_dtype("auto", device)
     model = build(shape, device)
-    set_checkpointing(model, True)
+    set_recompute(model, "full")
     prompts, responses, mask = batch_of(args, model.config.vocab_size, device)
     result = {"shape": shape, "rows": len(prompts)}
     logps, warm = {}, slice(0, args.group_size)

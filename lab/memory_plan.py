@@ -641,8 +641,7 @@ def main(argv=None):
           + ", ".join(f"{choice} {nbytes / GB:.2f} GB" for choice, nbytes in by_recompute.items()))
     if args.device == "cuda":
         fit = [choice for choice, nbytes in by_recompute.items() if nbytes <= args.gpu_gb * GB]
-        print(f"  fit {args.gpu_gb:g} GB: {', '.join(fit) or 'none of them'}"
-              + ("" if "none" in fit else " (--recompute none does not)"))
+        print(f"  fit {args.gpu_gb:g} GB: {', '.join(fit) or 'none of them'}")
     tips = advice(table, args.gpu_gb * GB, flags) if args.device == "cuda" else {}
     for phase, tip in tips.items():
         print(f"does not fit {args.gpu_gb:g} GB in {phase}: lower it with {tip}")

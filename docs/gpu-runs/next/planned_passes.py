@@ -1,0 +1,32 @@
+"""The memory figures the registration of less recomputation quotes (docs/benchmarks.md, 2026-11-29):
+lab/memory_plan.py's trace of the gradient pass at lab/bench_train.py's 1.5B shape (bf16 autocast, its
+largest micro-batch: one group of 5 rows of 160 + 1,024 tokens) under each --recompute choice, and the
+peak it implies beside the fp32 weights, AdamW's two moments and the gradients, which --parts recompute
+holds. Fake tensors: seconds on a CPU.
+
+    python docs/gpu-runs/next/planned_passes.py
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository
+
+import torch  # noqa: E402
+from transformers import Qwen2Config  # noqa: E402
+
+import logprobs  # noqa: E402
+from lab import memory_plan  # noqa: E402
+from lab.bench_train import SHAPES  # noqa: E402
+from systems.recompute import CHOICES  # noqa: E402
+
+config = Qwen2Config(**SHAPES["1.5B"], max_position_embeddings=32768, rope_theta=1e6)
+prompts = [[10 + p] * 160 for p in range(16) for _ in range(5)]  # bench_train's 16 x 5 rows
+largest = max(logprobs.micro_batch_sizes(prompts, 8))  # --micro-batch 8 keeps a group whole
+with torch.device("meta"):
+    params = sum(p.numel() for p in memory_plan.fake_model(config, torch.float32).parameters())
+held = 4 * params * (1 + 2 + 1)  # fp32 weights, AdamW's two moments, the gradients
+print(f"{params / 1e9:.3f}B parameters; micro-batch of {largest} rows; held {held / 1e9:.2f} GB")
+for choice in CHOICES:
+    traced = memory_plan.traced_gradient_pass(config, prompts[:largest], 1024, torch.bfloat16,
+                                              choice)
+    print(f"{choice:9s} pass {traced / 1e9:6.2f} GB, peak {(held + traced) / 1e9:6.2f} GB")

@@ -2,7 +2,7 @@
 lab/memory_plan.py's trace of the gradient pass at lab/bench_train.py's 1.5B shape (bf16 autocast, its
 largest micro-batch: one group of 5 rows of 160 + 1,024 tokens) under each --recompute choice, and the
 peak it implies beside the fp32 weights, AdamW's two moments and the gradients, which --parts recompute
-holds. Fake tensors: seconds on a CPU.
+holds; and the H200's measured pass of 2026-11-28. Fake tensors: seconds on a CPU.
 
     python docs/gpu-runs/next/planned_passes.py
 """
@@ -30,3 +30,11 @@ for choice in CHOICES:
     traced = memory_plan.traced_gradient_pass(config, prompts[:largest], 1024, torch.bfloat16,
                                               choice)
     print(f"{choice:9s} pass {traced / 1e9:6.2f} GB, peak {(held + traced) / 1e9:6.2f} GB")
+# the H200's measured pass (2026-11-28): --parts attention's block-mask gradient pass, full recompute,
+# its peak less the fp32 weights and gradients it held (no AdamW moments in that part)
+import json  # noqa: E402
+
+measured = json.loads((Path(__file__).resolve().parents[1] / "h200-2026-11-28"
+                       / "bench_attention.json").read_text())
+peak = measured["parts"]["attention/1.5B"]["block_mask"]["gradient_peak_bytes"]
+print(f"H200, 2026-11-28, full: pass {(peak - 4 * params * 2) / 1e9:.2f} GB measured")

@@ -114,31 +114,34 @@ def test_the_plan_of_each_recompute_choice_matches_the_peak_of_a_run(tmp_path):
     """--recompute full, selective and none, each a run on one rank: the gradient pass's measured
     peak is the plan's within the FSDP test's band (0.05 GB under to 0.25 over), and the plan of
     every choice (gradient_pass_by_recompute) says the same as the plan of a run with that choice.
-    The plans lie further apart than the band (full < selective < none by 0.7-0.8 GB), so a
-    choice applied as another (selective saving nothing: full's memory; everything: none's) falls
-    outside it. A random model of 32 narrow layers with wide MLPs (activations large beside its
-    0.03B weights), SmolLM2's tokenizer, two micro-batches of 5 rows (the plan counts all the
-    gradients beside the pass, as they are from the second micro-batch on: with one, the peak
-    came 0.13 GB under the plan, its gradients then made along the backward), responses of 192
-    tokens, fp32."""
+    The plans lie further apart than the band (full < selective < none by 0.6 GB), so a choice
+    applied as another (selective saving nothing: full's memory; everything: none's) falls outside
+    it. A random model of 16 narrow layers (width 32, one head) with wide MLPs (8192: activations
+    large beside its 0.01B weights), SmolLM2's tokenizer, the 2 short prompts of
+    tests/fixtures/choice.jsonl, two micro-batches of 5 rows (the plan counts all the gradients
+    beside the pass, as they are from the second micro-batch on: with one, the peak came 0.13 GB
+    under the plan, its gradients then made along the backward), responses of 96 tokens, fp32.
+    Each peak measured 0.10 GB over its plan (the process's memory besides tensors, as in the
+    FSDP test); the three runs take ~140 s on 2 cores."""
     import transformers
 
     from systems import model
 
     smollm2 = transformers.AutoConfig.from_pretrained(model.resolve("smollm2-135m"))
     config = transformers.LlamaConfig(
-        vocab_size=smollm2.vocab_size, hidden_size=128, intermediate_size=2048,
-        num_hidden_layers=32, num_attention_heads=4, num_key_value_heads=1,
+        vocab_size=smollm2.vocab_size, hidden_size=32, intermediate_size=8192,
+        num_hidden_layers=16, num_attention_heads=1, num_key_value_heads=1,
         tie_word_embeddings=True, bos_token_id=smollm2.bos_token_id,
         eos_token_id=smollm2.eos_token_id, max_position_embeddings=4096)
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "deep")
-    model.load_tokenizer("smollm2-135m").save_pretrained(tmp_path / "deep")
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "wide-mlp")
+    model.load_tokenizer("smollm2-135m").save_pretrained(tmp_path / "wide-mlp")
     plans = {}
     for choice in ("full", "selective", "none"):
         table, facts, measured = memory_plan.main(
             ["--measure", "--nproc", "1", "--", "--kl", "k1", "--place", "reward", "--model",
-             str(tmp_path / "deep"), "--max-new-tokens", "192", "--prompts-per-step", "2",
+             str(tmp_path / "wide-mlp"), "--task", str(ROOT / "tests" / "fixtures" / "choice.jsonl"),
+             "--max-new-tokens", "96", "--prompts-per-step", "2",
              "--group-size", "5", "--micro-batch", "5", "--dtype", "float32", "--recompute",
              choice])
         planned = sum(table["gradient pass"].values())

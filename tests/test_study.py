@@ -361,7 +361,8 @@ def test_two_runs_end_to_end_with_a_kill(tmp_path, letter_model):
 
     # without --keep-checkpoints a finished run keeps final/ only
     assert list(run_dir.glob("step_*"))
-    assert runner(plan, tmp_path).returncode == 0
+    rerun = runner(plan, tmp_path)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
     for seed in (0, 1):
         folder = tmp_path / f"runs/tiny/learn-seed{seed}"
         assert not list(folder.glob("*step_*")) and checkpoint.missing(folder / "final") is None

@@ -15,6 +15,7 @@ this file as a module (`torchrun -m test_train ...`), which applies the same tes
 - kill_final: SIGKILL rank 0 as it renames a checkpoint into OUT/final, the old final/ already moved
               out of the way (the window a replacement must survive).
 """
+import faulthandler
 import functools
 import importlib.util
 import json
@@ -829,7 +830,8 @@ def test_a_kill_while_final_is_replaced_loses_nothing(tiny, tmp_path, two_ranks)
     from systems import checkpoint
 
     out = tmp_path / "killed"
-    assert run_module(flags(tiny, out, "--steps", "1"), procs=2).returncode == 0
+    first = run_module(flags(tiny, out, "--steps", "1"), procs=2)
+    assert first.returncode == 0, first.stderr[-3000:]
     killed = run_module(flags(tiny, out, "--steps", "2", "--resume"), patches=("kill_final",),
                         procs=2)
     assert killed.returncode != 0 and not (out / "final").exists()
@@ -996,6 +998,7 @@ def test_bad_flags_fail_with_one_line(tiny, tmp_path, bad, named):
 
 # torchrun -m test_train ARGS: train.py ARGS with the patches in TRAIN_TEST_PATCHES
 if __name__ == "__main__":
+    faulthandler.enable()  # a crash in C++ (SIGABRT, SIGSEGV) prints every thread's Python stack
     apply_patches(os.environ.get("TRAIN_TEST_PATCHES", "").split(","), setattr)
     import train
 

@@ -78,6 +78,15 @@ def test_under_fsdp_the_pass_holds_an_untied_output_layers_gradient_to_its_end(r
             assert 0.9 * head <= kept - dropped <= head
 
 
+def fsdp_trace():
+    """studies/memory-plan/fsdp_trace.py as a module (its `build` writes the random models)."""
+    spec = importlib.util.spec_from_file_location(
+        "fsdp_trace", ROOT / "studies" / "memory-plan" / "fsdp_trace.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @needs_a_measured_run
 def test_the_plan_matches_the_peaks_of_a_run_on_two_ranks_with_fsdp(tmp_path):
     """Each phase's measured peak is the plan's sum plus what a process holds besides tensors
@@ -88,11 +97,7 @@ def test_the_plan_matches_the_peaks_of_a_run_on_two_ranks_with_fsdp(tmp_path):
     much lower): the root's all-gather buffer (no-grad passes: 0.78 GB), gloo's copy of the
     reduce-scatter's input (gradient pass: 0.71), the reduce-scatter's output or the output layer's
     gradient held to the end (0.40 each), a shard of the reference or of the gradients (0.45)."""
-    spec = importlib.util.spec_from_file_location(
-        "fsdp_trace", ROOT / "studies" / "memory-plan" / "fsdp_trace.py")
-    fsdp_trace = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fsdp_trace)
-    fsdp_trace.build(tmp_path / "wide-root")
+    fsdp_trace().build(tmp_path / "wide-root")
     try:
         table, facts, measured = memory_plan.main(
             ["--measure", "--nproc", "2", "--", "--kl", "k1", "--place", "reward", "--fsdp",
@@ -123,19 +128,8 @@ def test_the_plan_of_each_recompute_choice_matches_the_peak_of_a_run(tmp_path):
     under the plan, its gradients then made along the backward), responses of 96 tokens, fp32.
     Each peak measured 0.10 GB over its plan (the process's memory besides tensors, as in the
     FSDP test); the three runs take ~140 s on 2 cores."""
-    import transformers
-
-    from systems import model
-
-    smollm2 = transformers.AutoConfig.from_pretrained(model.resolve("smollm2-135m"))
-    config = transformers.LlamaConfig(
-        vocab_size=smollm2.vocab_size, hidden_size=32, intermediate_size=8192,
-        num_hidden_layers=16, num_attention_heads=1, num_key_value_heads=1,
-        tie_word_embeddings=True, bos_token_id=smollm2.bos_token_id,
-        eos_token_id=smollm2.eos_token_id, max_position_embeddings=4096)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "wide-mlp")
-    model.load_tokenizer("smollm2-135m").save_pretrained(tmp_path / "wide-mlp")
+    fsdp_trace().build(tmp_path / "wide-mlp", hidden_size=32, intermediate_size=8192,
+                       num_hidden_layers=16, num_attention_heads=1, tie_word_embeddings=True)
     plans = {}
     for choice in ("full", "selective", "none"):
         table, facts, measured = memory_plan.main(

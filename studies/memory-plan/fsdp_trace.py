@@ -24,9 +24,11 @@ sys.path.insert(0, str(ROOT))
 GB = 1e9
 
 
-def build(path):
+def build(path, hidden_size=2048, intermediate_size=256, num_hidden_layers=2,
+          num_attention_heads=4, tie_word_embeddings=False):
     """A random untied Llama of 0.23B parameters, 0.20B of them the root (vocab 49,152 x 2,048,
-    twice), with two small decoder layers, saved with SmolLM2's tokenizer in `path`."""
+    twice), with two small decoder layers, saved with SmolLM2's tokenizer in `path`; the keywords
+    give another shape (one KV head, SmolLM2's vocabulary and special tokens, seed 0 as here)."""
     import transformers
 
     from systems import model
@@ -34,9 +36,10 @@ def build(path):
     tokenizer = model.load_tokenizer("smollm2-135m")
     smollm2 = transformers.AutoConfig.from_pretrained(model.resolve("smollm2-135m"))
     config = transformers.LlamaConfig(
-        vocab_size=smollm2.vocab_size, hidden_size=2048, intermediate_size=256,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-        tie_word_embeddings=False, bos_token_id=smollm2.bos_token_id,
+        vocab_size=smollm2.vocab_size, hidden_size=hidden_size,
+        intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads, num_key_value_heads=1,
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=smollm2.bos_token_id,
         eos_token_id=smollm2.eos_token_id, max_position_embeddings=4096)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(path)

@@ -124,10 +124,11 @@ def test_the_plan_of_each_recompute_choice_matches_the_peak_of_a_run(tmp_path):
     it. A random model of 16 narrow layers (width 32, one head) with wide MLPs (8192: activations
     large beside its 0.01B weights), SmolLM2's tokenizer, the 2 short prompts of
     tests/fixtures/choice.jsonl, two micro-batches of 5 rows (the plan counts all the gradients
-    beside the pass, as they are from the second micro-batch on: with one, the peak came 0.13 GB
-    under the plan, its gradients then made along the backward), responses of 96 tokens, fp32.
-    Each peak measured 0.10 GB over its plan (the process's memory besides tensors, as in the
-    FSDP test); the three runs take ~140 s on 2 cores."""
+    beside the pass, as they are from the second micro-batch on: with one, they are made along
+    the backward, and the 32-layer model of an earlier version peaked 0.13 GB under its plan),
+    responses of 96 tokens, fp32.
+    Each peak measured 0.09-0.10 GB over its plan, inside the band; the three runs take ~140 s
+    on 2 cores."""
     fsdp_trace().build(tmp_path / "wide-mlp", hidden_size=32, intermediate_size=8192,
                        num_hidden_layers=16, num_attention_heads=1, tie_word_embeddings=True)
     plans = {}

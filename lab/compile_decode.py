@@ -1,9 +1,8 @@
 """Compile time of the sampler's compiled decode step (issue 55): cuda_decode.compiled_step, the
 regional compile (a decoder layer's two regions around attention, each compiled once for every
-layer), against the whole decode
-compiled as one graph (compiled_step before 2026-11-29), both with Inductor, on a random-weight
-model of SmolLM2-135M's shape (lab/bench_rollout.py's SHAPES; --layers fewer), projections
-fused as train.py's GPU sampler has them. Each compile runs in a fresh process with Inductor's
+layer), against the whole decode compiled as one graph (compiled_step before 2026-11-29), both
+with Inductor, on a random-weight model of SmolLM2-135M's shape (lab/bench_rollout.py's SHAPES;
+--layers fewer), projections fused as train.py's GPU sampler has them. Each compile runs in a fresh process with Inductor's
 caches off, the two alternating; each prints the first step's seconds (compile and run), a later
 step's, and the graphs compiled.
 

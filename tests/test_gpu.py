@@ -172,10 +172,10 @@ def test_flex_decode_follows_the_model_and_never_syncs(monkeypatch, graphs):
 def test_the_compiled_sampler_compiles_once_in_a_train_run(monkeypatch):
     """train.py --compile-sampler on CUDA, Inductor and CUDA graphs (issue 55): a decoder layer's
     two regions, each compiled once, serve every layer of a run's generate calls, whose prompts'
-    lengths, rows
-    (--generate-rows chunks) and spans differ, the spans below the cache's length (max_new_tokens
-    above rollout.SPAN_BUCKET, as train.py's 1,024) and at it; greedy tokens follow the model up to
-    bf16 ties. tests/test_static_decode.py checks the same on a CPU with other backends."""
+    lengths, rows (--generate-rows chunks) and spans differ, the spans below the cache's length
+    (max_new_tokens above rollout.SPAN_BUCKET, as train.py's 1,024) and at it; greedy tokens follow
+    the model up to bf16 ties. tests/test_static_decode.py checks the same on a CPU, with Inductor
+    too."""
     from torch._dynamo.utils import counters
 
     monkeypatch.setattr(cuda_decode, "flash_choice", lambda device, dtype: (False, "SDPA"))

@@ -6,6 +6,7 @@ holds; and the H200's measured pass of 2026-11-28. Fake tensors: seconds on a CP
 
     python docs/gpu-runs/next/planned_passes.py
 """
+import json
 import sys
 from pathlib import Path
 
@@ -32,8 +33,6 @@ for choice in CHOICES:
     print(f"{choice:9s} pass {traced / 1e9:6.2f} GB, peak {(held + traced) / 1e9:6.2f} GB")
 # the H200's measured pass (2026-11-28): --parts attention's block-mask gradient pass, full recompute,
 # its peak less the fp32 weights and gradients it held (no AdamW moments in that part)
-import json  # noqa: E402
-
 measured = json.loads((Path(__file__).resolve().parents[1] / "h200-2026-11-28"
                        / "bench_attention.json").read_text())
 peak = measured["parts"]["attention/1.5B"]["block_mask"]["gradient_peak_bytes"]

@@ -170,13 +170,14 @@ def parse_line(line, where):
     if "\x00" in line:  # never in JSON text, but after every ASCII character in UTF-16 or UTF-32
         raise ValueError(f"{where}: not UTF-8 (NUL bytes: UTF-16 or UTF-32 text?); "
                          "save the file as UTF-8")
-    undecodable = re.search("[\udc80-\udcff]", line)
-    if undecodable:  # e.g. Latin-1's or cp1252's é
-        byte = ord(undecodable.group()) - 0xDC00
-        raise ValueError(f"{where}: not UTF-8 (byte 0x{byte:02x} at column "
-                         f"{undecodable.start() + 1}); save the file as UTF-8")
     try:
-        return json.loads(line)
+        line.encode("utf-8")
+    except UnicodeEncodeError as error:  # a byte kept as a lone surrogate: e.g. Latin-1's é
+        byte = ord(line[error.start]) - 0xDC00
+        raise ValueError(f"{where}: not UTF-8 (byte 0x{byte:02x} at column {error.start + 1}); "
+                         "save the file as UTF-8") from None
+    try:
+        row = json.loads(line)
     except json.JSONDecodeError as error:
         raise ValueError(f"{where}: not valid JSON ({error.msg})") from None
     except RecursionError:
@@ -184,6 +185,15 @@ def parse_line(line, where):
     except ValueError as error:  # an integer of more digits than Python converts (4300)
         raise ValueError(f"{where}: a number too long to read "
                          f"({str(error).split(';')[0]})") from None
+    # a \u escape of half a UTF-16 surrogate pair decodes to no text (a tokenizer refuses it)
+    if re.search(r"\\u[dD][89a-fA-F]", line):  # a surrogate's escape: is it one of a pair?
+        try:
+            json.dumps(row, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as error:
+            surrogate = ord(error.object[error.start])
+            raise ValueError(f"{where}: not text (a lone surrogate \\u{surrogate:04x}, half of a "
+                             "UTF-16 pair, from a \\u escape)") from None
+    return row
 
 
 def to_example(row, where):

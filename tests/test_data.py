@@ -143,6 +143,9 @@ def test_local_jsonl_fixtures():
                  id="5000-digit-answer"),  # more digits than int() takes
     pytest.param('{"problem": "p", "answer": 1, "level": ' + "7" * 5_000 + "}", "4300 digits",
                  id="5000-digit-level"),
+    # a \u escape of half a surrogate pair is no text: the tokenizer would raise mid-run
+    (r'{"problem": "caf\udcff?", "answer": "2"}', r"not text \(a lone surrogate \\udcff"),
+    (r'{"question": "q", "choices": ["a", "\ud800"], "answer": 0}', "lone surrogate"),
     # a non-finite gold answer: str() makes it "nan" or "inf", and \boxed{nan} would score 1
     ('{"problem": "p", "answer": NaN}', "finite"),
     ('{"problem": "p", "answer": Infinity}', "finite"),
@@ -163,6 +166,13 @@ def test_a_finite_number_is_still_a_gold_answer(tmp_path):
     path.write_text('{"problem": "p", "answer": 1e300}\n{"problem": "q", "answer": -0.5}\n'
                     '{"problem": "r", "answer": ' + "7" * 4_300 + "}\n")
     assert [e["answer"] for e in data.load_task(str(path))] == ["1e+300", "-0.5", "7" * 4_300]
+
+
+def test_a_surrogate_pair_in_escapes_is_one_character(tmp_path):
+    path = tmp_path / "math.jsonl"
+    path.write_text(r'{"problem": "smile \ud83d\ude00?", "answer": "\u00e9"}' + "\n")
+    (example,) = data.load_task(str(path))
+    assert example["problem"] == "smile \U0001F600?" and example["answer"] == "\u00e9"
 
 
 @pytest.mark.parametrize("encoding, lineno, message", [

@@ -15,7 +15,9 @@ choice). `arith` and `countdown` are generated from a seed, offline; `train` and
 a problem.
 """
 import json
+import math
 import random
+import re
 import sys
 import zlib
 
@@ -138,19 +140,17 @@ def math2_row(row):
 
 
 def read_jsonl(path):
-    """Examples from a local .jsonl file; a malformed row raises ValueError naming the file
-    and line. A problem whose answer is an empty string has nothing to grade it by: it is skipped,
-    and a line on stderr names it (as the hub's MATH skips solutions without a box; the offline
-    MATH-train file has two such rows)."""
+    """Examples from a local .jsonl file, UTF-8 (a byte-order mark may start it); a malformed row
+    raises ValueError naming the file and line. A problem whose answer is an empty string has
+    nothing to grade it by: it is skipped, and a line on stderr names it (as the hub's MATH skips
+    solutions without a box; the offline MATH-train file has two such rows)."""
     examples, ungraded = [], []
-    with open(path) as f:
+    # bytes that are not UTF-8 are kept as lone surrogates, so that the line holding them is named
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({error.msg})") from None
+            row = parse_line(line, f"{path}:{lineno}")
             if isinstance(row, dict) and "problem" in row and row.get("answer") == "":
                 ungraded.append(lineno)
                 continue
@@ -164,6 +164,38 @@ def read_jsonl(path):
     return examples
 
 
+def parse_line(line, where):
+    """One line of a .jsonl file (read with errors="surrogateescape") as JSON, or a ValueError
+    naming `where` and what is wrong."""
+    if "\x00" in line:  # never in JSON text, but after every ASCII character in UTF-16 or UTF-32
+        raise ValueError(f"{where}: not UTF-8 (NUL bytes: UTF-16 or UTF-32 text?); "
+                         "save the file as UTF-8")
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError as error:  # a byte kept as a lone surrogate: e.g. Latin-1's é
+        byte = ord(line[error.start]) - 0xDC00
+        raise ValueError(f"{where}: not UTF-8 (byte 0x{byte:02x} at column {error.start + 1}); "
+                         "save the file as UTF-8") from None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{where}: not valid JSON ({error.msg})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: nested too deeply for Python's json to read") from None
+    except ValueError as error:  # an integer of more digits than Python converts (4300)
+        raise ValueError(f"{where}: a number too long to read "
+                         f"({str(error).split(';')[0]})") from None
+    # a \u escape of half a UTF-16 surrogate pair decodes to no text (a tokenizer refuses it)
+    if re.search(r"\\u[dD][89a-fA-F]", line):  # a surrogate's escape: is it one of a pair?
+        try:
+            json.dumps(row, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as error:
+            surrogate = ord(error.object[error.start])
+            raise ValueError(f"{where}: not text (a lone surrogate \\u{surrogate:04x}, half of a "
+                             "UTF-16 pair, from a \\u escape)") from None
+    return row
+
+
 def to_example(row, where):
     """A {problem, answer} row (math reward) or a {question, choices, answer} row
     (choice reward)."""
@@ -174,9 +206,11 @@ def to_example(row, where):
         problem, answer = row["problem"], row["answer"]
         if not isinstance(problem, str) or not problem.strip():
             raise ValueError(f"{where}: 'problem' must be a non-empty string")
+        # NaN or infinity as the gold answer would be the string "nan" or "inf": \boxed{nan} matches
         if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) \
+                or isinstance(answer, float) and not math.isfinite(answer) \
                 or not str(answer).strip():
-            raise ValueError(f"{where}: 'answer' must be a non-empty string or a number, "
+            raise ValueError(f"{where}: 'answer' must be a non-empty string or a finite number, "
                              f"got {answer!r}")
         return math_example(problem, str(answer), **extra)
     if {"question", "choices", "answer"} <= row.keys():

@@ -38,7 +38,9 @@ MAX_EXPRESSION_CHARS = 200  # longest countdown expression we parse
 
 def extract_boxed(text):
     """Content of the last \\boxed{...} or \\fbox{...} (balanced braces), or of `\\boxed 5`;
-    None if none."""
+    None if none, or if it is longer than MAX_ANSWER_CHARS (too long to grade). Past the box's name
+    it reads at most MAX_ANSWER_CHARS + 100 characters of spaces and MAX_ANSWER_CHARS + 2 of answer,
+    however long the text."""
     if not isinstance(text, str):
         return None
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
@@ -46,17 +48,20 @@ def extract_boxed(text):
         return None
     i = start + (6 if text.startswith("\\boxed", start) else 5)
     after = text[i : i + MAX_ANSWER_CHARS + 100]
-    rest = after.lstrip()
-    if not rest.startswith("{"):  # `\boxed 5`: the next token, up to a space or a $
-        token = re.match(r"[^\s$]*", rest).group()
-        return token if token and len(rest) < len(after) else None
-    i += len(after) - len(rest)
+    spaces = len(after) - len(after.lstrip())
+    if spaces == len(after):  # nothing but spaces (or nothing) follows within reach
+        return None
+    # the answer: a token or a {...} of up to MAX_ANSWER_CHARS, and the character after it
+    answer = text[i + spaces : i + spaces + MAX_ANSWER_CHARS + 2]
+    if not answer.startswith("{"):  # `\boxed 5`: the next token, up to a space or a $
+        token = re.match(r"[^\s$]*", answer).group()
+        return token if token and spaces and len(token) <= MAX_ANSWER_CHARS else None
     depth = 0
-    for brace in re.finditer(r"[{}]", text[i:]):
+    for brace in re.finditer(r"[{}]", answer):
         depth += 1 if brace.group() == "{" else -1
         if depth == 0:
-            return text[i + 1 : i + brace.start()]
-    return None  # unbalanced: the box never closes
+            return answer[1 : brace.start()]
+    return None  # unbalanced, or longer than MAX_ANSWER_CHARS
 
 
 # ---- math (math-verify) --------------------------------------------------------------------------

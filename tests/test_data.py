@@ -138,12 +138,68 @@ def test_local_jsonl_fixtures():
     ('{"question": "q", "choices": ["a", "b", "c", "d"], "answer": 4}', "'answer'"),
     ('{"question": "q", "choices": ["a", "b", "c", "d"], "answer": "E"}', "'answer'"),
     ('{"question": "q", "choices": "abcd", "answer": 0}', "'choices'"),
+    pytest.param("[" * 100_000 + "]" * 100_000, "nested too deeply", id="deep-nesting"),
+    pytest.param('{"problem": "p", "answer": ' + "7" * 5_000 + "}", "4300 digits",
+                 id="5000-digit-answer"),  # more digits than int() takes
+    pytest.param('{"problem": "p", "answer": 1, "level": ' + "7" * 5_000 + "}", "4300 digits",
+                 id="5000-digit-level"),
+    # a \u escape of half a surrogate pair is no text: the tokenizer would raise mid-run
+    (r'{"problem": "caf\udcff?", "answer": "2"}', r"not text \(a lone surrogate \\udcff"),
+    (r'{"question": "q", "choices": ["a", "\ud800"], "answer": 0}', "lone surrogate"),
+    # a non-finite gold answer: str() makes it "nan" or "inf", and \boxed{nan} would score 1
+    ('{"problem": "p", "answer": NaN}', "finite"),
+    ('{"problem": "p", "answer": Infinity}', "finite"),
+    ('{"problem": "p", "answer": -Infinity}', "finite"),
+    ('{"problem": "p", "answer": 1e999}', "finite"),
+    ('{"problem": "p", "answer": -1e999}', "finite"),
 ])
 def test_malformed_jsonl_names_file_and_line(tmp_path, line, message):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"problem": "1 + 1?", "answer": "2"}\n\n' + line + "\n")
-    with pytest.raises(ValueError, match=rf"bad\.jsonl:3: .*{message}"):
+    with pytest.raises(ValueError, match=rf"bad\.jsonl:3: .*{message}") as error:
         data.load_task(str(path))
+    assert "\n" not in str(error.value)  # one line, as train.py and eval.py print it
+
+
+def test_a_finite_number_is_still_a_gold_answer(tmp_path):
+    path = tmp_path / "math.jsonl"
+    path.write_text('{"problem": "p", "answer": 1e300}\n{"problem": "q", "answer": -0.5}\n'
+                    '{"problem": "r", "answer": ' + "7" * 4_300 + "}\n")
+    assert [e["answer"] for e in data.load_task(str(path))] == ["1e+300", "-0.5", "7" * 4_300]
+
+
+def test_a_surrogate_pair_in_escapes_is_one_character(tmp_path):
+    path = tmp_path / "math.jsonl"
+    path.write_text(r'{"problem": "smile \ud83d\ude00?", "answer": "\u00e9"}' + "\n")
+    (example,) = data.load_task(str(path))
+    assert example["problem"] == "smile \U0001F600?" and example["answer"] == "\u00e9"
+
+
+@pytest.mark.parametrize("encoding, lineno, message", [
+    ("latin-1", 3, r"not UTF-8 \(byte 0xe9 at column 17\)"),  # the é of "café"
+    ("cp1252", 3, r"not UTF-8 \(byte 0xe9 at column 17\)"),
+    ("utf-16", 1, "UTF-16"),  # with its byte-order mark
+    ("utf-16-le", 1, "UTF-16"),  # without one: a NUL after every ASCII character
+    ("utf-16-be", 1, "UTF-16"),
+    ("utf-32", 1, "UTF-16 or UTF-32"),
+])
+def test_a_file_not_in_utf8_names_file_and_line(tmp_path, encoding, lineno, message):
+    """A .jsonl file is UTF-8 (as JSON text exchanged between systems must be, RFC 8259); any
+    other encoding is refused in one line naming the file, the line and what is wrong."""
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(('{"problem": "1 + 1?", "answer": "2"}\n\n'
+                      '{"problem": "caf\u00e9?", "answer": "2"}\n').encode(encoding))
+    with pytest.raises(ValueError, match=rf"bad\.jsonl:{lineno}: .*{message}") as error:
+        data.load_task(str(path))
+    assert "\n" not in str(error.value) and "UTF-8" in str(error.value)
+
+
+def test_utf8_with_a_byte_order_mark_and_crlf_loads(tmp_path):
+    path = tmp_path / "math.jsonl"
+    path.write_bytes('{"problem": "caf\u00e9?", "answer": "2"}\r\n{"problem": "q", "answer": 3}\r\n'
+                     .encode("utf-8-sig"))
+    assert [(e["problem"], e["answer"]) for e in data.load_task(str(path))] == [
+        ("caf\u00e9?", "2"), ("q", "3")]
 
 
 def test_a_problem_with_an_empty_answer_is_skipped_and_named(tmp_path, capsys):

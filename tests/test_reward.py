@@ -3,6 +3,7 @@ countdown, choices."""
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -43,6 +44,107 @@ def math500_answers():
 ])
 def test_extract_boxed(text, expected):
     assert extract_boxed(text) == expected
+
+
+def reference_extract_boxed(text):
+    """extract_boxed's rule with no cap, one character at a time: after the last \\boxed or
+    \\fbox and any spaces, the content of a balanced {...}, or (after at least one space) the next
+    token up to a space or a $. Returns (answer or None, the number of spaces skipped)."""
+    start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
+    if start < 0:
+        return None, 0
+    i = j = start + (6 if text.startswith("\\boxed", start) else 5)
+    while j < len(text) and text[j].isspace():
+        j += 1
+    if j < len(text) and text[j] == "{":
+        depth = 0
+        for k in range(j, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[k], 0)
+            if depth == 0:
+                return text[j + 1 : k], j - i
+        return None, j - i
+    k = j
+    while k < len(text) and not text[k].isspace() and text[k] != "$":
+        k += 1
+    return (text[j:k] if j > i and k > j else None), j - i
+
+
+def random_box(rng):
+    """Text around a last box whose answer is near MAX_ANSWER_CHARS long: braces, spaces, $,
+    letters; balanced or not."""
+    cap = reward.MAX_ANSWER_CHARS
+    pieces = ["{", "}", " ", "x", "$", "\\frac", "\n"]
+    body = "".join(rng.choice(pieces) for _ in range(rng.choice([rng.randrange(20),
+                                                                 rng.randrange(cap - 60, cap + 60),
+                                                                 rng.randrange(2 * cap)])))
+    spaces = " " * rng.choice([0, 0, 1, 3, rng.randrange(cap + 100 - 5, cap + 100 + 5)])
+    if rng.random() < 0.6:
+        body = "{" + body + "}" * rng.randrange(1, 40)
+    else:  # a bare token
+        body = "".join(rng.choice("x5,.") for _ in range(rng.randrange(cap - 5, cap + 5))) \
+            + rng.choice(["", " ", "$", "x"])
+    return rng.choice(["", "so ", r"\boxed{1} then "]) + rng.choice(["\\boxed", "\\fbox"]) \
+        + spaces + body + rng.choice(["", " and so on.", "}}}}"])
+
+
+def test_extract_boxed_within_its_cap_matches_the_uncapped_rule():
+    """An answer of at most MAX_ANSWER_CHARS after fewer than MAX_ANSWER_CHARS + 100 spaces is
+    found as with no cap at all; a longer one is None (too long to grade), never a part of it."""
+    import random
+
+    rng, cap = random.Random(0), reward.MAX_ANSWER_CHARS
+    counts = {"within": 0, "beyond": 0}
+    for _ in range(3000):
+        text = random_box(rng)
+        answer, spaces = reference_extract_boxed(text)
+        within = answer is not None and len(answer) <= cap and spaces < cap + 100
+        counts["within" if within else "beyond"] += 1
+        assert extract_boxed(text) == (answer if within else None), text
+    assert min(counts.values()) > 500, counts  # both sides of the cap are tried
+
+
+def steps_and_characters_read(text):
+    """The lines extract_boxed runs and the characters it slices out of `text`."""
+    read = [0]
+
+    class CountingText(str):
+        def __getitem__(self, key):
+            part = str.__getitem__(self, key)
+            read[0] += len(part)
+            return part
+
+    steps = 0
+
+    def trace(frame, event, arg):
+        nonlocal steps
+        if frame.f_code is not extract_boxed.__code__:
+            return None
+        steps += event == "line"
+        return trace
+
+    sys.settrace(trace)
+    try:
+        extract_boxed(CountingText(text))
+    finally:
+        sys.settrace(None)
+    return steps, read[0]
+
+
+@pytest.mark.parametrize("text", [
+    pytest.param("\\boxed" + "{" * 200_000, id="open-braces"),  # opens and never closes
+    pytest.param("\\boxed{" + "x{" * 100_000, id="x-open-braces"),
+    pytest.param("\\fbox{" + "{}" * 100_000, id="brace-pairs"),
+    pytest.param("\\boxed{" + "x" * 200_000 + "}", id="long-answer"),
+    pytest.param("\\boxed " + "5" * 200_000, id="long-token"),
+    pytest.param("\\boxed" + " " * 200_000 + "{5}", id="long-spaces"),
+])
+def test_extract_boxed_stops_at_its_cap(text):
+    """Past the last box's name it reads at most MAX_ANSWER_CHARS + 100 characters of spaces and
+    MAX_ANSWER_CHARS + 2 of answer, and steps through no more than that, however long the text."""
+    steps, read = steps_and_characters_read(text)
+    assert read <= 2 * reward.MAX_ANSWER_CHARS + 102, read
+    assert steps <= 3 * reward.MAX_ANSWER_CHARS + 30, steps
+    assert extract_boxed(text) is None
 
 
 # ---- math_reward on real MATH500 answers ---------------------------------------------------------

@@ -66,3 +66,27 @@ def test_a_sharded_step_checkpoint_loads_as_a_model(tmp_path, tiny_llama, smollm
         assert torch.equal(loaded.state_dict()[name], tensor), name
     assert load_model(str(tmp_path / "step_3"), torch.bfloat16).dtype == torch.bfloat16
     assert load_tokenizer(str(tmp_path / "step_3")).vocab == smollm2_tokenizer.vocab
+
+
+@pytest.mark.parametrize("bad_row", [
+    pytest.param(b"[" * 100_000 + b"]" * 100_000, id="deep-nesting"),  # json's RecursionError
+    pytest.param('{"problem": "café?", "answer": "2"}'.encode("latin-1"), id="latin-1"),
+    pytest.param(b'{"problem": "p", "answer": NaN}', id="nan-answer"),
+])
+def test_a_bad_task_file_fails_in_one_line_naming_its_line(tiny, tmp_path, capsys, bad_row):
+    """train.py --task and eval.py --tasks read a .jsonl file alike (data.load_task): a bad row
+    stops either in one line that names the file and the line."""
+    import eval as evaluation
+
+    task = tmp_path / "task.jsonl"
+    task.write_bytes(b'{"problem": "1 + 1?", "answer": "2"}\n' + bad_row + b"\n")
+    argv = flags(tiny, tmp_path / "out")
+    argv[argv.index("--task") + 1] = str(task)
+    with pytest.raises(SystemExit) as error:
+        train(argv)
+    assert f"{task}:2: " in one_line(error)
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        evaluation.main(["--model", str(tiny["model"]), "--tasks", str(task),
+                         "--out", str(tmp_path / "eval")])
+    assert f": error: {task}:2: " in capsys.readouterr().err.splitlines()[-1]

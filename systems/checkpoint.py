@@ -184,9 +184,9 @@ def open_run(args, rank, world_size):
         if not problem and not args.resume and any(p.name != LOCK for p in args.out.iterdir()):
             problem = (f"{args.out} is not empty: pass --resume to continue that run, or another "
                        f"--out")
-            if ours:
+            if ours:  # removed while locked: a run that opened it meanwhile locks it after
+                (args.out / LOCK).unlink()  # this, and finds it gone (`lock`)
                 unlock()
-                (args.out / LOCK).unlink()
     stop_if_any_rank(problem)
     if args.resume and rank == 0 and args.out.is_dir():
         recover(args.out)
@@ -218,29 +218,38 @@ def open_run(args, rank, world_size):
 
 
 def lock(out):
-    """Take OUT/.lock for this process, or say in one line who holds it. One run per folder: the
-    lock is an flock(2) on OUT/.lock, which the kernel releases when its process ends however it
-    ends (SIGKILL, a crash), so a lock whose process is gone is free and is taken over (and said
-    so: the file still names it). It holds where flock does: on local filesystems, and on NFS
-    (Linux emulates flock with a POSIX lock that the server arbitrates between hosts; per host only
-    under the mount options nolock or local_lock). Where the filesystem has no locks at all, a
-    warning, and no lock."""
+    """Take OUT/.lock for this process, or say in one line who holds it, or why OUT cannot be a
+    run's folder. One run per folder: the lock is an flock(2) on OUT/.lock, which the kernel
+    releases when its process ends however it ends (SIGKILL, a crash), so a lock whose process is
+    gone is free and is taken over (and said so: the file still names it). Once locked, the path
+    must still name the locked file: a run that removed it in between (`open_run`, under its own
+    lock) leaves a lock on a file no other run can see, so it is taken again. It holds where flock
+    does: on local filesystems, and on NFS (Linux emulates flock with a POSIX lock that the server
+    arbitrates between hosts; per host only under the mount options nolock or local_lock). Where
+    the filesystem has no locks at all, a warning, and no lock."""
     global _lock
     unlock()
-    out.mkdir(parents=True, exist_ok=True)
-    descriptor = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(descriptor, 4096).decode(errors="replace").strip() or "starting"
-        os.close(descriptor)
-        return (f"{out} is in use by another run ({holder}); wait for it to end, stop it, or "
-                f"pass another --out")
-    except OSError as error:  # ENOLCK, EOPNOTSUPP: a filesystem without locks
-        os.close(descriptor)
-        print(f"warning: cannot lock {out} ({error.strerror}): nothing stops a second run "
-              f"writing it")
-        return None
+    while True:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            descriptor = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            return unusable(out, error)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(descriptor, 4096).decode(errors="replace").strip() or "starting"
+            os.close(descriptor)
+            return (f"{out} is in use by another run ({holder}); wait for it to end, stop it, or "
+                    f"pass another --out")
+        except OSError as error:  # ENOLCK, EOPNOTSUPP: a filesystem without locks
+            os.close(descriptor)
+            print(f"warning: cannot lock {out} ({error.strerror}): nothing stops a second run "
+                  f"writing it")
+            return None
+        if same_file(descriptor, out / LOCK):
+            break
+        os.close(descriptor)  # removed or replaced since it was opened: lock the one there now
     previous = os.read(descriptor, 4096).decode(errors="replace").strip()
     if previous:
         print(f"took over the lock of {out} from a run that is gone ({previous})")
@@ -249,6 +258,28 @@ def lock(out):
     os.fsync(descriptor)
     _lock = descriptor
     return None
+
+
+def same_file(descriptor, path):
+    """Whether `path` names the file open as `descriptor`."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(descriptor)
+    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
+
+
+def unusable(out, error):
+    """The one-line message of an --out that cannot hold a run (`error`: what mkdir or open
+    raised)."""
+    if out.is_symlink() and not out.exists():
+        return (f"--out {out} is a symlink to {os.readlink(out)}, which does not exist: create "
+                f"that folder, or pass another --out")
+    above = next((folder for folder in (out, *out.parents) if folder.exists()), None)
+    if above is not None and not above.is_dir():
+        return f"--out {out}: {above} is a file, not a folder; pass another --out"
+    return f"--out {out} cannot be written ({error.strerror}); pass another --out"
 
 
 def unlock():

@@ -241,6 +241,110 @@ def test_a_new_run_may_use_a_folder_holding_only_a_released_lock(tmp_path):
     checkpoint.unlock()
 
 
+def test_a_run_refused_a_folder_never_leaves_two_runs_holding_its_lock(tmp_path, monkeypatch):
+    """A new run refused by a non-empty --out removes the lock file it made; a --resume that takes
+    the lock the moment the refused run releases it (the gap widened: it starts then) holds the
+    folder's lock, the file OUT/.lock names, so a third run meets it. (Unlocked before the file was
+    removed, the --resume held a lock on a removed file, and the third run locked a new one.)"""
+    (tmp_path / "notes.txt").write_text("mine")
+    holders, real_unlock = [], checkpoint.unlock
+
+    def unlock_then_a_resume_locks():
+        held = checkpoint._lock is not None
+        real_unlock()
+        if held and not holders:
+            holders.append(hold_lock(tmp_path))
+
+    monkeypatch.setattr(checkpoint, "unlock", unlock_then_a_resume_locks)
+    with pytest.raises(SystemExit, match="is not empty: pass --resume"):
+        checkpoint.open_run(run_args(tmp_path), 0, 1)
+    monkeypatch.undo()
+    try:
+        assert holders
+        third = checkpoint.lock(tmp_path)
+        checkpoint.unlock()
+        assert f"in use by another run (host {socket.gethostname()}, pid {holders[0].pid}" in (
+            third or "")
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+
+
+def test_a_lock_file_removed_before_it_is_locked_is_not_the_lock_taken(tmp_path, monkeypatch):
+    """OUT/.lock removed (by a run refused the folder, under its lock) between this process's open
+    and its flock: the lock taken is on the file OUT/.lock names afterwards, not on the removed
+    one."""
+    real_flock, calls = checkpoint.fcntl.flock, []
+
+    def removed_first(descriptor, operation):
+        if not calls:
+            (tmp_path / checkpoint.LOCK).unlink()
+        calls.append(operation)
+        return real_flock(descriptor, operation)
+
+    monkeypatch.setattr(checkpoint.fcntl, "flock", removed_first)
+    assert checkpoint.lock(tmp_path) is None
+    monkeypatch.undo()
+    try:
+        held, named = os.fstat(checkpoint._lock), os.stat(tmp_path / checkpoint.LOCK)
+        assert (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
+    finally:
+        checkpoint.unlock()
+
+
+def read_only_lock(folder):
+    """What checkpoint.lock says of `folder` made read-only for real: a read-only bind mount in a
+    private mount namespace (as root), or mode 0555 (as another user); None where neither can be
+    made."""
+    code = ("import sys; from pathlib import Path; from systems import checkpoint; "
+            "print(checkpoint.lock(Path(sys.argv[1])))")
+    root = Path(__file__).resolve().parents[1]
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        command = [sys.executable, "-c", code, str(folder)]
+    elif shutil.which("unshare"):
+        command = ["unshare", "-m", "sh", "-c", 'mount --bind "$1" "$1" && mount -o '
+                   'remount,bind,ro "$1" "$1" && exec "$2" -c "$3" "$1"', "sh", str(folder),
+                   sys.executable, code]
+    else:
+        return None
+    result = subprocess.run(command, cwd=root, capture_output=True, text=True)
+    if "mount" in result.stderr and result.returncode != 0 and "Traceback" not in result.stderr:
+        return None  # no namespaces here (a container without CAP_SYS_ADMIN)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip()
+
+
+@pytest.mark.parametrize("case", ["read-only", "dangling symlink", "below a file", "a file"])
+def test_an_out_that_cannot_hold_a_run_stops_in_one_line(tmp_path, case):
+    """--out a read-only folder (with a run in it, for --resume), a symlink to nowhere, a path
+    below a file, a file: one line naming what is wrong, nothing made."""
+    (tmp_path / "file").write_text("mine")
+    out = {"read-only": tmp_path / "run", "dangling symlink": tmp_path / "link",
+           "below a file": tmp_path / "file" / "run", "a file": tmp_path / "file"}[case]
+    if case == "read-only":
+        write_checkpoint(out / "final", 1)
+        message = read_only_lock(out)
+        if message is None:
+            pytest.skip("no way to make a folder read-only here")
+    else:
+        if case == "dangling symlink":
+            out.symlink_to(tmp_path / "nowhere")
+        with pytest.raises(SystemExit) as error:
+            checkpoint.open_run(run_args(out, resume=True), 0, 1)
+        message = str(error.value)
+    expected = {"read-only": f"--out {out} cannot be written (Read-only file system"
+                if os.geteuid() == 0 else f"--out {out} cannot be written (Permission denied",
+                "dangling symlink": f"is a symlink to {tmp_path / 'nowhere'}, which does not exist",
+                "below a file": f"{tmp_path / 'file'} is a file, not a folder",
+                "a file": f"{tmp_path / 'file'} is a file, not a folder"}[case]
+    assert expected in message and "\n" not in message, message
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["file", *{"read-only": ["run"], "dangling symlink": ["link"]}.get(case, [])])
+    assert (tmp_path / "file").read_text() == "mine"
+
+
 def test_under_torchrun_every_rank_learns_that_out_is_locked(tmp_path, letter_model):
     """torchrun x2 (gloo) on an --out another process holds: rank 0 meets the lock, both ranks
     stop with its line, before any model loads."""

@@ -26,10 +26,13 @@ replacement that a kill interrupted and removes the .del-NAME folders.
 
 Runs never mix: rank 0 holds OUT/.lock while it runs (`lock`: a second process on OUT stops at once,
 naming the holder's host and pid); a new run needs an empty --out; --resume takes the newest
-complete checkpoint (saying which incomplete ones it passed over) and refuses one written with
-other run-defining flags (naming them), by another number of ranks, or in another compute dtype;
-with no complete checkpoint it starts over only where no step was logged (`cannot_start_over`).
-A run's log is never destroyed (`start_log`).
+intact checkpoint (complete, and each of its files reads back as what it holds: `damaged`; it says
+which incomplete or damaged ones it passed over) and refuses one written with other run-defining
+flags (naming them), by another number of ranks, or in another compute dtype; with no complete
+checkpoint it starts over only where no step was logged (`cannot_start_over`). A run's log is
+never destroyed (`start_log`). A resume runs no one's code: the .pt files hold tensors and plain
+data, read with torch.load(weights_only=True) (`load_data`); DCP's .metadata is a pickle, read as
+PyTorch reads it.
 """
 import atexit
 import collections
@@ -152,7 +155,7 @@ def latest(out, passed_over=None):
         if damage is None:
             return directory
         if passed_over is not None:
-            passed_over.append(f"{directory / damage}")
+            passed_over.append(f"{directory}{os.sep}{damage}")
     return None
 
 
@@ -370,6 +373,9 @@ def lock(out):
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            if not same_file(descriptor, out / LOCK):  # its holder removed it meanwhile
+                os.close(descriptor)
+                continue
             holder = os.read(descriptor, 4096).decode(errors="replace").strip() or "starting"
             os.close(descriptor)
             return (f"{out} is in use by another run ({holder}); wait for it to end, stop it, or "

@@ -276,10 +276,14 @@ def test_a_run_refused_a_folder_never_leaves_two_runs_holding_its_lock(tmp_path,
             holder.wait()
 
 
-def test_a_lock_file_removed_before_it_is_locked_is_not_the_lock_taken(tmp_path, monkeypatch):
+@pytest.mark.parametrize("held", [False, True], ids=["released", "still held"])
+def test_a_lock_file_removed_before_it_is_locked_is_not_the_lock_taken(tmp_path, monkeypatch,
+                                                                       held):
     """OUT/.lock removed (by a run refused the folder, under its lock) between this process's open
-    and its flock: the lock taken is on the file OUT/.lock names afterwards, not on the removed
-    one."""
+    and its flock, the remover gone or still holding the removed file: the lock taken is on the
+    file OUT/.lock names afterwards, not on the removed one, and a removed file's holder does not
+    stop this run."""
+    holder = hold_lock(tmp_path) if held else None
     real_flock, calls = checkpoint.fcntl.flock, []
 
     def removed_first(descriptor, operation):
@@ -289,13 +293,16 @@ def test_a_lock_file_removed_before_it_is_locked_is_not_the_lock_taken(tmp_path,
         return real_flock(descriptor, operation)
 
     monkeypatch.setattr(checkpoint.fcntl, "flock", removed_first)
-    assert checkpoint.lock(tmp_path) is None
-    monkeypatch.undo()
     try:
-        held, named = os.fstat(checkpoint._lock), os.stat(tmp_path / checkpoint.LOCK)
-        assert (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
+        assert checkpoint.lock(tmp_path) is None
+        monkeypatch.undo()
+        locked, named = os.fstat(checkpoint._lock), os.stat(tmp_path / checkpoint.LOCK)
+        assert (locked.st_dev, locked.st_ino) == (named.st_dev, named.st_ino)
     finally:
         checkpoint.unlock()
+        if holder:
+            holder.kill()
+            holder.wait()
 
 
 def read_only_lock(folder):

@@ -720,6 +720,23 @@ def test_a_planted_pickle_never_runs_at_resume(tmp_path, three_saves, tiny_llama
     assert f"{out / 'final' / name} (it holds code, not data: a pickled exec" in message
 
 
+def test_recover_never_replaces_an_intact_checkpoint_by_a_damaged_one(tmp_path):
+    """A replacement of final/ that a kill interrupted, where the newer checkpoint is complete but
+    damaged (its weights cut short): recover keeps the intact older one, whichever name it has
+    (final/ with a .tmp-final beside it, or .old-final beside a final/), and --resume takes it."""
+    for newer, older in ((".tmp-final", "final"), ("final", ".old-final")):
+        out = tmp_path / newer.strip(".")
+        write_checkpoint(out / older, 1)
+        cut_short(write_checkpoint(out / newer, 2) / "model.safetensors")
+        checkpoint.recover(out)
+        passed_over = []
+        assert checkpoint.latest(out, passed_over) == out / older, newer
+        assert checkpoint.step_of(out / older) == 1
+        weights = out / newer / "model.safetensors"
+        assert passed_over == [f"{weights} (cut short: {weights.stat().st_size} bytes, its header "
+                               f"alone is longer)"], passed_over
+
+
 def test_a_garbage_line_in_metrics_jsonl_is_named_by_its_number(tmp_path, three_saves):
     """A whole line of metrics.jsonl that is not a row stops --resume in one line naming the file
     and the line's number, before anything is loaded or written; a torn last line is still

@@ -26,10 +26,13 @@ replacement that a kill interrupted and removes the .del-NAME folders.
 
 Runs never mix: rank 0 holds OUT/.lock while it runs (`lock`: a second process on OUT stops at once,
 naming the holder's host and pid); a new run needs an empty --out; --resume takes the newest
-complete checkpoint (saying which incomplete ones it passed over) and refuses one written with
-other run-defining flags (naming them), by another number of ranks, or in another compute dtype;
-with no complete checkpoint it starts over only where no step was logged (`cannot_start_over`).
-A run's log is never destroyed (`start_log`).
+intact checkpoint (complete, and each of its files reads back as what it holds: `damaged`; it says
+which incomplete or damaged ones it passed over) and refuses one written with other run-defining
+flags (naming them), by another number of ranks, or in another compute dtype; with no complete
+checkpoint it starts over only where no step was logged (`cannot_start_over`). A run's log is
+never destroyed (`start_log`). A resume runs no one's code: the .pt files hold tensors and plain
+data, read with torch.load(weights_only=True) (`load_data`); DCP's .metadata is a pickle, read as
+PyTorch reads it.
 """
 import atexit
 import collections
@@ -39,11 +42,14 @@ import gc
 import json
 import os
 import random
+import re
 import shutil
 import socket
+import zipfile
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -51,6 +57,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+import rollout
 from systems.runtime import barrier, fail, stop_if_any_rank, unwrap
 
 # flags that do not change what a run computes (the gradient does not depend on the micro-batch, the
@@ -92,8 +99,21 @@ def missing(directory):
     final = directory.name.endswith("final")  # final, or .tmp-final / .old-final
     if not has_weights(directory) and (final or not state.get("sharded")):
         return "model.safetensors"
-    absent = next((name for name in needed if not (directory / name).is_file()), None)
+    absent = next((name for name in needed + weight_files(directory)
+                   if not (directory / name).is_file()), None)
     return absent or (missing_shard(directory / SHARDED) if state.get("sharded") else None)
+
+
+def weight_files(directory):
+    """The safetensors files that the index of weights saved in several files names (from_pretrained
+    reads them all), or [] where there is no index."""
+    try:
+        index = json.loads((directory / "model.safetensors.index.json").read_text())
+        return sorted(set(index["weight_map"].values()))
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ["model.safetensors.index.json"]  # there, but unreadable: as good as lost
 
 
 def missing_shard(sharded):
@@ -122,12 +142,85 @@ def step_of(directory):
     return json.loads((directory / "trainer_state.json").read_text())["step"]
 
 
-def latest(out):
-    """The complete checkpoint with the most steps: OUT/NAME, or the .tmp-NAME / .old-NAME of a
-    replacement a kill interrupted (OUT/NAME first at the same step); None if there is none."""
+def latest(out, passed_over=None):
+    """The intact checkpoint with the most steps: OUT/NAME, or the .tmp-NAME / .old-NAME of a
+    replacement a kill interrupted (OUT/NAME first at the same step); None if there is none. The
+    complete ones are checked newest first (`damaged`) until one is intact; each damaged one is
+    added to the list `passed_over` as 'FILE (why)'."""
     done = [d for d in out.glob("*") if d.is_dir() and not d.name.startswith(".del-")
             and missing(d) is None]
-    return max(done, key=lambda d: (step_of(d), not d.name.startswith(".")), default=None)
+    for directory in sorted(done, key=lambda d: (step_of(d), not d.name.startswith(".")),
+                            reverse=True):
+        damage = damaged(directory)
+        if damage is None:
+            return directory
+        if passed_over is not None:
+            passed_over.append(f"{directory}{os.sep}{damage}")
+    return None
+
+
+def damaged(directory):
+    """What of the complete checkpoint `directory` does not read back as what it holds, as 'FILE
+    (why)', or None: trainer_state.json and config.json parse, each safetensors file's header does
+    and the file is as long as it says, each .pt file loads as data (`load_data`: optimizer.pt
+    mapped, not read), and a sharded checkpoint's shards are as long as its .metadata says
+    (`missing`). What train.py then loads is read once more: these files are small, or mapped."""
+    state = json.loads((directory / "trainer_state.json").read_text())  # `missing` parsed it
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        return "trainer_state.json (no step in it)"
+    try:
+        json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        return f"config.json (does not parse: {one_line(error)})"
+    for file in sorted(directory.glob("*.safetensors")):
+        fault = safetensors_fault(file)
+        if fault:
+            return f"{file.name} ({fault})"
+    names = [*(f"{kind}_rank{rank}.pt" for rank in range(state["world_size"])
+               for kind in ("rng", "queue")), *(() if state.get("sharded") else ["optimizer.pt"])]
+    for name in names:
+        try:
+            load_data(directory / name, mmap=name == "optimizer.pt")
+        except Exception as error:  # cut short, not a PyTorch file, or code in it
+            return f"{name} ({not_data(directory / name, error)})"
+    return None
+
+
+def safetensors_fault(file):
+    """Why the safetensors `file` cannot be whole, or None: an 8-byte header length, a JSON
+    header, and as many bytes after it as its last tensor ends at (as the safetensors format
+    says)."""
+    size = file.stat().st_size
+    with open(file, "rb") as stream:
+        length = int.from_bytes(stream.read(8), "little")
+        if size < 8 or length > size - 8:
+            return f"cut short: {size:,} bytes, its header alone is longer"
+        try:
+            header = json.loads(stream.read(length))
+            end = max((entry["data_offsets"][1] for key, entry in header.items()
+                       if key != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
+            return f"its header does not parse: {one_line(error)}"
+    if size != 8 + length + end:
+        return f"{size:,} bytes where its header says {8 + length + end:,}"
+    return None
+
+
+def not_data(file, error):
+    """Why the .pt `file` did not load as data, in a few words."""
+    refused = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+    if refused:
+        return f"it holds code, not data: a pickled {refused.group(1)}, which is not run"
+    if not zipfile.is_zipfile(file):  # torch.save writes a zip, its directory at the end
+        return "cut short, or not a PyTorch file: no zip directory at its end"
+    unpickler = re.search(r"WeightsUnpickler error: ([^\n]*)", str(error))
+    return f"does not load: {unpickler.group(1)[:200] if unpickler else one_line(error)}"
+
+
+def one_line(error):
+    """The first line of an exception's message (its type where it has none)."""
+    lines = str(error).strip().splitlines()
+    return lines[0][:200] if lines else type(error).__name__
 
 
 def retire(directory):
@@ -161,22 +254,27 @@ def recover(out):
         print(f"removing {doomed}, left partial by a removal that was killed")
         shutil.rmtree(doomed)
     for tmp in out.glob(".tmp-*"):
-        if tmp.is_dir() and missing(tmp) is None:
+        if tmp.is_dir() and intact(tmp):
             replace(out / tmp.name[len(".tmp-"):], tmp)
     for old in out.glob(".old-*"):
         path = out / old.name[len(".old-"):]
-        if path.exists() and missing(path) is None:
+        if path.exists() and intact(path):
             retire(old)
-        elif missing(old) is None:
+        elif missing(path) and intact(old):  # NAME incomplete or absent: the old one back
             retire(path)
             os.rename(old, path)
+        # else NAME complete but damaged: both stay, and `latest` takes .old-NAME if intact
     sync_directory(out)
+
+
+def intact(directory):
+    return missing(directory) is None and damaged(directory) is None
 
 
 def open_run(args, rank, world_size):
     """(checkpoint to resume or None, its trainer_state or {}), after the checks that keep runs
-    apart. Every rank calls this: rank 0 locks --out (`lock`), looks at it, and recovers it, before
-    anyone reads it."""
+    apart. Every rank calls this: rank 0 locks --out (`lock`), looks at it, recovers it, and
+    chooses the checkpoint (`choose`), before anyone reads it."""
     problem = None
     if rank == 0:
         ours = not (args.out / LOCK).exists()  # a lock file this run adds, to remove if it stops
@@ -184,27 +282,19 @@ def open_run(args, rank, world_size):
         if not problem and not args.resume and any(p.name != LOCK for p in args.out.iterdir()):
             problem = (f"{args.out} is not empty: pass --resume to continue that run, or another "
                        f"--out")
-            if ours:
+            if ours:  # removed while locked: a run that opened it meanwhile locks it after
+                (args.out / LOCK).unlink()  # this, and finds it gone (`lock`)
                 unlock()
-                (args.out / LOCK).unlink()
     stop_if_any_rank(problem)
-    if args.resume and rank == 0 and args.out.is_dir():
-        recover(args.out)
-    barrier()
-    checkpoint = latest(args.out) if args.resume else None
-    # named checkpoints newer than that one but incomplete (a rank's files lost): passed over, or
-    # the run stops rather than start again from nothing
-    newer = step_of(checkpoint) if checkpoint else -1
-    broken = [d / missing(d) for d in sorted(args.out.glob("[!.]*")) if args.resume
-              and (d / "trainer_state.json").is_file() and missing(d) and step_of(d) > newer]
-    if broken and checkpoint is None:
-        stop_if_any_rank(f"{broken[0]} is missing: the checkpoint is incomplete and no older one "
-                         f"is; remove it to start again, or use another --out")
-    if broken and rank == 0:
-        print(f"passing over incomplete checkpoints ({', '.join(map(str, broken))} missing): "
-              f"resuming {checkpoint}")
+    checkpoint = None
+    if args.resume and rank == 0:
+        if args.out.is_dir():
+            recover(args.out)
+        checkpoint, problem = choose(args)
+    checkpoint, problem = from_rank0((checkpoint, problem))
+    if problem:
+        fail(problem)
     if checkpoint is None:
-        stop_if_any_rank(cannot_start_over(args) if rank == 0 and args.resume else None)
         return None, {}
     trainer_state = json.loads((checkpoint / "trainer_state.json").read_text())
     changed = flag_changes(trainer_state["flags"], args) if "flags" in trainer_state else []
@@ -217,30 +307,87 @@ def open_run(args, rank, world_size):
     return checkpoint, trainer_state
 
 
+def choose(args):
+    """(the checkpoint --resume continues, or None; why it must stop instead, one line, or None),
+    on rank 0. It takes the newest intact checkpoint (`latest`); the named checkpoints newer than
+    that one but incomplete (a rank's files lost) or damaged are passed over, in one line, or the
+    run stops rather than start again from nothing. With no checkpoint at all it starts over only
+    where no step was logged (`cannot_start_over`). Nothing in --out is changed here."""
+    passed_over = []
+    checkpoint = latest(args.out, passed_over)
+    newer = step_of(checkpoint) if checkpoint else -1
+    for directory in sorted(args.out.glob("[!.]*")):
+        if not (directory / "trainer_state.json").is_file() or missing(directory) is None:
+            continue
+        try:
+            if step_of(directory) > newer:
+                passed_over.append(f"{directory / missing(directory)} (missing)")
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            passed_over.append(f"{directory / 'trainer_state.json'} (does not parse: "
+                               f"{one_line(error)})")
+    try:
+        logged_rows(args.out / "metrics.jsonl")
+    except ValueError as error:
+        return None, f"{error}; mend or remove that line, then --resume"
+    if passed_over and checkpoint is None:
+        first = passed_over[0]
+        if first.endswith(" (missing)"):
+            return None, (f"{first.removesuffix(' (missing)')} is missing: the checkpoint is "
+                          f"incomplete and no older one is; remove it to start again, or use "
+                          f"another --out")
+        return None, (f"{first}: the checkpoint is damaged and no older one is intact; nothing "
+                      f"was changed; remove it to start again, or use another --out")
+    if passed_over:
+        print(f"passing over checkpoints that are incomplete or damaged ({'; '.join(passed_over)}):"
+              f" resuming {checkpoint}")
+    return checkpoint, None if checkpoint else cannot_start_over(args)
+
+
+def from_rank0(value):
+    """Rank 0's `value` on every rank."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def lock(out):
-    """Take OUT/.lock for this process, or say in one line who holds it. One run per folder: the
-    lock is an flock(2) on OUT/.lock, which the kernel releases when its process ends however it
-    ends (SIGKILL, a crash), so a lock whose process is gone is free and is taken over (and said
-    so: the file still names it). It holds where flock does: on local filesystems, and on NFS
-    (Linux emulates flock with a POSIX lock that the server arbitrates between hosts; per host only
-    under the mount options nolock or local_lock). Where the filesystem has no locks at all, a
-    warning, and no lock."""
+    """Take OUT/.lock for this process, or say in one line who holds it, or why OUT cannot be a
+    run's folder. One run per folder: the lock is an flock(2) on OUT/.lock, which the kernel
+    releases when its process ends however it ends (SIGKILL, a crash), so a lock whose process is
+    gone is free and is taken over (and said so: the file still names it). Once locked, the path
+    must still name the locked file: a run that removed it in between (`open_run`, under its own
+    lock) leaves a lock on a file no other run can see, so it is taken again. It holds where flock
+    does: on local filesystems, and on NFS (Linux emulates flock with a POSIX lock that the server
+    arbitrates between hosts; per host only under the mount options nolock or local_lock). Where
+    the filesystem has no locks at all, a warning, and no lock."""
     global _lock
     unlock()
-    out.mkdir(parents=True, exist_ok=True)
-    descriptor = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.read(descriptor, 4096).decode(errors="replace").strip() or "starting"
-        os.close(descriptor)
-        return (f"{out} is in use by another run ({holder}); wait for it to end, stop it, or "
-                f"pass another --out")
-    except OSError as error:  # ENOLCK, EOPNOTSUPP: a filesystem without locks
-        os.close(descriptor)
-        print(f"warning: cannot lock {out} ({error.strerror}): nothing stops a second run "
-              f"writing it")
-        return None
+    while True:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            descriptor = os.open(out / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            return unusable(out, error)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not same_file(descriptor, out / LOCK):  # its holder removed it meanwhile
+                os.close(descriptor)
+                continue
+            holder = os.read(descriptor, 4096).decode(errors="replace").strip() or "starting"
+            os.close(descriptor)
+            return (f"{out} is in use by another run ({holder}); wait for it to end, stop it, or "
+                    f"pass another --out")
+        except OSError as error:  # ENOLCK, EOPNOTSUPP: a filesystem without locks
+            os.close(descriptor)
+            print(f"warning: cannot lock {out} ({error.strerror}): nothing stops a second run "
+                  f"writing it")
+            return None
+        if same_file(descriptor, out / LOCK):
+            break
+        os.close(descriptor)  # removed or replaced since it was opened: lock the one there now
     previous = os.read(descriptor, 4096).decode(errors="replace").strip()
     if previous:
         print(f"took over the lock of {out} from a run that is gone ({previous})")
@@ -249,6 +396,28 @@ def lock(out):
     os.fsync(descriptor)
     _lock = descriptor
     return None
+
+
+def same_file(descriptor, path):
+    """Whether `path` names the file open as `descriptor`."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(descriptor)
+    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
+
+
+def unusable(out, error):
+    """The one-line message of an --out that cannot hold a run (`error`: what mkdir or open
+    raised)."""
+    if out.is_symlink() and not out.exists():
+        return (f"--out {out} is a symlink to {os.readlink(out)}, which does not exist: create "
+                f"that folder, or pass another --out")
+    above = next((folder for folder in (out, *out.parents) if folder.exists()), None)
+    if above is not None and not above.is_dir():
+        return f"--out {out}: {above} is a file, not a folder; pass another --out"
+    return f"--out {out} cannot be written ({error.strerror}); pass another --out"
 
 
 def unlock():
@@ -285,10 +454,12 @@ def cannot_start_over(args):
 
 
 def rng_state(generator):
+    """Every RNG stream's state as tensors and plain data (numpy's MT19937 key as a tensor)."""
+    numpy = np.random.get_state(legacy=False)
+    numpy["state"]["key"] = torch.from_numpy(numpy["state"]["key"].astype(np.int64))
     return {"torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "python": random.getstate(), "numpy": np.random.get_state(),
-            "sampler": generator.get_state()}
+            "python": random.getstate(), "numpy": numpy, "sampler": generator.get_state()}
 
 
 def set_rng_state(state, generator):
@@ -296,8 +467,27 @@ def set_rng_state(state, generator):
     if state["cuda"]:
         torch.cuda.set_rng_state_all(state["cuda"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy = state["numpy"]
+    if isinstance(numpy, dict):  # else an older checkpoint's tuple, the key an array already
+        key = numpy["state"]["key"].numpy().astype(np.uint32)
+        numpy = {**numpy, "state": {**numpy["state"], "key": key}}
+    np.random.set_state(numpy)
     generator.set_state(state["sampler"])
+
+
+# what the RNG and queue files of checkpoints written before they held only tensors and plain
+# data also hold: numpy's key array and rollout.Rollout; torch.load(weights_only=True) rebuilds
+# these types and runs nothing else
+_reconstruct = np.zeros(1).__reduce__()[0]  # numpy's array rebuilder (numpy._core under numpy 2)
+OLDER_FORMAT = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), rollout.Rollout, _reconstruct,
+                (_reconstruct, "numpy.core.multiarray._reconstruct")]
+
+
+def load_data(path, mmap=False):
+    """A checkpoint's .pt file, loaded as data: tensors and plain Python values (and the types of
+    OLDER_FORMAT) are rebuilt, and any other object a pickle names is refused, never run."""
+    with torch.serialization.safe_globals(OLDER_FORMAT):
+        return torch.load(path, weights_only=True, mmap=mmap, map_location="cpu")
 
 
 def load(checkpoint, policy, optimizer, generator, rank):
@@ -313,12 +503,12 @@ def load(checkpoint, policy, optimizer, generator, rank):
         set_optimizer_state_dict(policy, optimizer, state["optimizer"])
     else:
         set_optimizer_state_dict(policy, optimizer,
-                                 torch.load(checkpoint / "optimizer.pt", mmap=True),
+                                 load_data(checkpoint / "optimizer.pt", mmap=True),
                                  options=StateDictOptions(full_state_dict=True))
     release_files(policy, optimizer)
-    set_rng_state(torch.load(checkpoint / f"rng_rank{rank}.pt", weights_only=False), generator)
+    set_rng_state(load_data(checkpoint / f"rng_rank{rank}.pt"), generator)
     device = next(policy.parameters()).device
-    queue = torch.load(checkpoint / f"queue_rank{rank}.pt", weights_only=False, map_location="cpu")
+    queue = load_data(checkpoint / f"queue_rank{rank}.pt")
     return collections.deque(on_device(batch, device) for batch in queue)
 
 
@@ -339,10 +529,20 @@ def release_files(policy, optimizer):
 
 
 def on_device(batch, device):
-    """A batch of the --async-lag queue with its rollout's tensors on `device`."""
+    """A batch of the --async-lag queue with its rollout's tensors on `device` (from a checkpoint:
+    the rollout as its tensors by name, or an older checkpoint's rollout.Rollout)."""
     out = batch["out"]
-    tensors = {field.name: getattr(out, field.name).to(device) for field in dataclasses.fields(out)}
-    return {**batch, "out": dataclasses.replace(out, **tensors)}
+    fields = out if isinstance(out, dict) else dataclasses.asdict(out)
+    return {**batch, "out": rollout.Rollout(**{name: tensor.to(device)
+                                               for name, tensor in fields.items()})}
+
+
+def as_data(batch):
+    """A batch of the --async-lag queue as a checkpoint holds it: the rollout as its tensors by
+    name, on the CPU (so any device resumes it), and no object but plain data."""
+    out = batch["out"]
+    return {**batch, "out": {field.name: getattr(out, field.name).cpu()
+                             for field in dataclasses.fields(out)}}
 
 
 def save_run(args, step, position, world_size, policy, tokenizer, optimizer, generator, queue,
@@ -414,7 +614,7 @@ def write_files(tmp, name, policy, tokenizer, optimizer, generator, queue, train
                        else get_optimizer_state_dict(policy, optimizer, options=full))
     torch.save(rng_state(generator), tmp / f"rng_rank{rank}.pt")
     # sampled ahead, not yet trained on; on the CPU, so any device can resume it
-    torch.save([on_device(batch, "cpu") for batch in queue], tmp / f"queue_rank{rank}.pt")
+    torch.save([as_data(batch) for batch in queue], tmp / f"queue_rank{rank}.pt")
     # each rank syncs its own files (on NFS only the writer's host can); DCP synced its shards
     sync_files(tmp / f"rng_rank{rank}.pt", tmp / f"queue_rank{rank}.pt")
     if rank == 0:
@@ -487,11 +687,30 @@ def start_log(args, start_step, resumed):
     write_config(args, start_step)
     metrics = args.out / "metrics.jsonl"
     lines = metrics.read_bytes().splitlines(keepends=True) if metrics.exists() else []
-    keep = [line for line in lines
-            if line.endswith(b"\n") and json.loads(line).get("step", 0) <= start_step]
+    keep = [line for line, row in logged_rows(metrics) if row.get("step", 0) <= start_step]
     if keep != lines or not metrics.exists():
         write_durably(metrics, b"".join(keep))
     return metrics
+
+
+def logged_rows(metrics):
+    """The rows of metrics.jsonl as (line, row) pairs, each whole line parsed (a torn last line, a
+    kill mid-write, is left out); [] where there is no file. A line that is not a row (a JSON
+    object, its step an integer) raises ValueError naming the file and the line's number."""
+    lines = metrics.read_bytes().splitlines(keepends=True) if metrics.is_file() else []
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.endswith(b"\n"):
+            break  # the last line, torn
+        try:
+            row = json.loads(line)
+        except ValueError as error:
+            raise ValueError(f"{metrics} line {number} is not JSON ({one_line(error)})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step", 0), int):
+            raise ValueError(f"{metrics} line {number} is not a row of metrics (a JSON object "
+                             f"with an integer step)")
+        rows.append((line, row))
+    return rows
 
 
 def log_row(metrics, row):

@@ -14,15 +14,20 @@ import pytest
 
 from systems import checkpoint
 
-FILES = ("config.json", "model.safetensors", "optimizer.pt")
-
 
 def write_checkpoint(directory, step, world_size=2):
-    """A checkpoint's files as checkpoint.save leaves them (contents are not read here)."""
+    """A checkpoint's files as checkpoint.save leaves them, each small but whole (--resume reads
+    each back), the weights' one value the step."""
+    import torch
+    from safetensors.torch import save_file
+
     directory.mkdir(parents=True)
-    for name in (*FILES, *(f"{kind}_rank{rank}.pt" for rank in range(world_size)
-                           for kind in ("rng", "queue"))):
-        (directory / name).write_text("x")
+    (directory / "config.json").write_text("{}")
+    save_file({"w": torch.full((4,), float(step))}, directory / "model.safetensors")
+    torch.save({"state": {}, "param_groups": []}, directory / "optimizer.pt")
+    for rank in range(world_size):
+        torch.save(checkpoint.rng_state(torch.Generator()), directory / f"rng_rank{rank}.pt")
+        torch.save([], directory / f"queue_rank{rank}.pt")
     state = {"step": step, "data_position": 8 * step, "world_size": world_size}
     (directory / "trainer_state.json").write_text(json.dumps(state))
     return directory
@@ -241,6 +246,117 @@ def test_a_new_run_may_use_a_folder_holding_only_a_released_lock(tmp_path):
     checkpoint.unlock()
 
 
+def test_a_run_refused_a_folder_never_leaves_two_runs_holding_its_lock(tmp_path, monkeypatch):
+    """A new run refused by a non-empty --out removes the lock file it made; a --resume that takes
+    the lock the moment the refused run releases it (the gap widened: it starts then) holds the
+    folder's lock, the file OUT/.lock names, so a third run meets it. (Unlocked before the file was
+    removed, the --resume held a lock on a removed file, and the third run locked a new one.)"""
+    (tmp_path / "notes.txt").write_text("mine")
+    holders, real_unlock = [], checkpoint.unlock
+
+    def unlock_then_a_resume_locks():
+        held = checkpoint._lock is not None
+        real_unlock()
+        if held and not holders:
+            holders.append(hold_lock(tmp_path))
+
+    monkeypatch.setattr(checkpoint, "unlock", unlock_then_a_resume_locks)
+    with pytest.raises(SystemExit, match="is not empty: pass --resume"):
+        checkpoint.open_run(run_args(tmp_path), 0, 1)
+    monkeypatch.undo()
+    try:
+        assert holders
+        third = checkpoint.lock(tmp_path)
+        checkpoint.unlock()
+        assert f"in use by another run (host {socket.gethostname()}, pid {holders[0].pid}" in (
+            third or "")
+    finally:
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["released", "still held"])
+def test_a_lock_file_removed_before_it_is_locked_is_not_the_lock_taken(tmp_path, monkeypatch,
+                                                                       held):
+    """OUT/.lock removed (by a run refused the folder, under its lock) between this process's open
+    and its flock, the remover gone or still holding the removed file: the lock taken is on the
+    file OUT/.lock names afterwards, not on the removed one, and a removed file's holder does not
+    stop this run."""
+    holder = hold_lock(tmp_path) if held else None
+    real_flock, calls = checkpoint.fcntl.flock, []
+
+    def removed_first(descriptor, operation):
+        if not calls:
+            (tmp_path / checkpoint.LOCK).unlink()
+        calls.append(operation)
+        return real_flock(descriptor, operation)
+
+    monkeypatch.setattr(checkpoint.fcntl, "flock", removed_first)
+    try:
+        assert checkpoint.lock(tmp_path) is None
+        monkeypatch.undo()
+        locked, named = os.fstat(checkpoint._lock), os.stat(tmp_path / checkpoint.LOCK)
+        assert (locked.st_dev, locked.st_ino) == (named.st_dev, named.st_ino)
+    finally:
+        checkpoint.unlock()
+        if holder:
+            holder.kill()
+            holder.wait()
+
+
+def read_only_lock(folder):
+    """What checkpoint.lock says of `folder` made read-only for real: a read-only bind mount in a
+    private mount namespace (as root), or mode 0555 (as another user); None where neither can be
+    made."""
+    code = ("import sys; from pathlib import Path; from systems import checkpoint; "
+            "print(checkpoint.lock(Path(sys.argv[1])))")
+    root = Path(__file__).resolve().parents[1]
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        command = [sys.executable, "-c", code, str(folder)]
+    elif shutil.which("unshare"):
+        command = ["unshare", "-m", "sh", "-c", 'mount --bind "$1" "$1" && mount -o '
+                   'remount,bind,ro "$1" "$1" && exec "$2" -c "$3" "$1"', "sh", str(folder),
+                   sys.executable, code]
+    else:
+        return None
+    result = subprocess.run(command, cwd=root, capture_output=True, text=True)
+    if "mount" in result.stderr and result.returncode != 0 and "Traceback" not in result.stderr:
+        return None  # no namespaces here (a container without CAP_SYS_ADMIN)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout.strip()
+
+
+@pytest.mark.parametrize("case", ["read-only", "dangling symlink", "below a file", "a file"])
+def test_an_out_that_cannot_hold_a_run_stops_in_one_line(tmp_path, case):
+    """--out a read-only folder (with a run in it, for --resume), a symlink to nowhere, a path
+    below a file, a file: one line naming what is wrong, nothing made."""
+    (tmp_path / "file").write_text("mine")
+    out = {"read-only": tmp_path / "run", "dangling symlink": tmp_path / "link",
+           "below a file": tmp_path / "file" / "run", "a file": tmp_path / "file"}[case]
+    if case == "read-only":
+        write_checkpoint(out / "final", 1)
+        message = read_only_lock(out)
+        if message is None:
+            pytest.skip("no way to make a folder read-only here")
+    else:
+        if case == "dangling symlink":
+            out.symlink_to(tmp_path / "nowhere")
+        with pytest.raises(SystemExit) as error:
+            checkpoint.open_run(run_args(out, resume=True), 0, 1)
+        message = str(error.value)
+    expected = {"read-only": f"--out {out} cannot be written (Read-only file system"
+                if os.geteuid() == 0 else f"--out {out} cannot be written (Permission denied",
+                "dangling symlink": f"is a symlink to {tmp_path / 'nowhere'}, which does not exist",
+                "below a file": f"{tmp_path / 'file'} is a file, not a folder",
+                "a file": f"{tmp_path / 'file'} is a file, not a folder"}[case]
+    assert expected in message and "\n" not in message, message
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["file", *{"read-only": ["run"], "dangling symlink": ["link"]}.get(case, [])])
+    assert (tmp_path / "file").read_text() == "mine"
+
+
 def test_under_torchrun_every_rank_learns_that_out_is_locked(tmp_path, letter_model):
     """torchrun x2 (gloo) on an --out another process holds: rank 0 meets the lock, both ranks
     stop with its line, before any model loads."""
@@ -430,6 +546,247 @@ def test_a_removal_cut_short_is_removed_at_the_next_start(tmp_path, capsys):
     checkpoint.recover(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "step_2"]
     assert ".del-step_1" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- a damaged checkpoint
+@pytest.fixture(scope="module")
+def three_saves(tmp_path_factory, tiny_llama, smollm2_tokenizer, one_thread):
+    """Run folders as checkpoint.save leaves them, 1 rank, a batch sampled ahead in the queue:
+    step_1, step_2 and final (step 2); plain ("plain") and sharded as under --fsdp ("sharded").
+    Returns {kind: folder}, and the batch as "batch"."""
+    import collections
+
+    import torch
+
+    import rollout
+
+    batch = {"weights_step": 1, "problems": [{"problem": "1 + 1", "answer": "2"}],
+             "prompts": [[1, 2, 3]], "out": rollout.Rollout(
+                 torch.tensor([[4, 5]]), torch.tensor([[-0.5, -1.5]]), torch.tensor([[1.0, 1.0]]))}
+    saved = {"batch": batch}
+    for kind in ("plain", "sharded"):
+        out = tmp_path_factory.mktemp(kind)
+        policy = tiny_llama(64)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=0.1)
+        for step, name in ((1, "step_1"), (2, "step_2"), (2, "final")):
+            policy(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            trainer_state = {"step": step, "data_position": 4 * step, "world_size": 1,
+                             "sharded": kind == "sharded"}
+            checkpoint.save(out / name, policy, smollm2_tokenizer, optimizer, torch.Generator(),
+                            collections.deque([batch]), trainer_state, 0)
+        saved[kind] = out
+    return saved
+
+
+def cut_short(file):
+    file.write_bytes(file.read_bytes()[:file.stat().st_size // 2])
+
+
+def plant(file, marker):
+    """A pickle at `file` that, loaded as torch.load(weights_only=False) loads, writes `marker`."""
+    import torch
+
+    class Planted:
+        def __reduce__(self):
+            return exec, (f"open({str(marker)!r}, 'w').write('ran')",)
+
+    torch.save({"torch": Planted()}, file)
+
+
+def in_several_files(directory):
+    """The weights saved as save_pretrained saves a large model: model-0000I-of-0000N.safetensors
+    and their index (here a tiny maximum size a file)."""
+    from systems.model import load_model
+
+    model = load_model(str(directory))
+    (directory / "model.safetensors").unlink()
+    model.save_pretrained(directory, max_shard_size="20KB")
+    return sorted(directory.glob("model-*.safetensors"))
+
+
+DAMAGES = {  # what happens to final/ and step_2/, and what the line names
+    "model.safetensors cut short": (
+        "plain", lambda d, marker: cut_short(d / "model.safetensors"),
+        "model.safetensors ({size} bytes where its header says"),
+    "optimizer.pt cut short": (
+        "plain", lambda d, marker: cut_short(d / "optimizer.pt"),
+        "optimizer.pt (cut short, or not a PyTorch file: no zip directory at its end)"),
+    "rng_rank0.pt cut short": (
+        "sharded", lambda d, marker: cut_short(d / "rng_rank0.pt"),
+        "rng_rank0.pt (cut short, or not a PyTorch file: no zip directory at its end)"),
+    "queue_rank0.pt not a PyTorch file": (
+        "plain", lambda d, marker: (d / "queue_rank0.pt").write_bytes(b"\x80\x04garbage"),
+        "queue_rank0.pt (cut short, or not a PyTorch file"),
+    "trainer_state.json garbage": (
+        "plain", lambda d, marker: (d / "trainer_state.json").write_text("{not json"),
+        "trainer_state.json (does not parse"),
+    "a weight file of several deleted": (
+        "plain", lambda d, marker: in_several_files(d)[-1].unlink(), "safetensors (missing)"),
+    "a DCP shard deleted": (
+        "sharded", lambda d, marker: (d / "sharded" / "__0_0.distcp").unlink(),
+        "sharded/__0_0.distcp (missing)"),
+    "optimizer.pt deleted": (
+        "plain", lambda d, marker: (d / "optimizer.pt").unlink(), "optimizer.pt (missing)"),
+    "a planted pickle in rng_rank0.pt": (
+        "plain", lambda d, marker: plant(d / "rng_rank0.pt", marker),
+        "rng_rank0.pt (it holds code, not data: a pickled exec, which is not run)"),
+}
+
+
+def folder_bytes(out):
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and p.name != checkpoint.LOCK}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_resume_passes_over_damaged_checkpoints_for_the_newest_intact(
+        tmp_path, three_saves, tiny_llama, one_thread, capsys, damage):
+    """final/ and step_2/ damaged, step_1/ intact: --resume takes step_1, naming in one line each
+    damaged file and what is wrong with it, loads step_1 back whole (its queue too), and changes
+    nothing in the folder; no planted pickle runs."""
+    import torch
+
+    kind, spoil, named = DAMAGES[damage]
+    out, marker = tmp_path / "out", tmp_path / "planted-ran"
+    shutil.copytree(three_saves[kind], out)
+    for name in ("final", "step_2"):
+        spoil(out / name, marker)
+    before = folder_bytes(out)
+    resumed, trainer_state = checkpoint.open_run(run_args(out, resume=True), 0, 1)
+    checkpoint.unlock()
+    assert resumed == out / "step_1" and trainer_state["step"] == 1
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == 1 and printed[0].endswith(f"resuming {out / 'step_1'}"), printed
+    for name in ("final", "step_2"):
+        size = (out / name / "model.safetensors").stat().st_size if "{size}" in named else 0
+        assert f"{out / name}/" in printed[0] and named.format(size=f"{size:,}") in printed[0], (
+            printed)
+    model = tiny_llama(64)
+    queue = checkpoint.load(resumed, model, torch.optim.AdamW(model.parameters()),
+                            torch.Generator(), 0)
+    assert [batch["prompts"] for batch in queue] == [three_saves["batch"]["prompts"]]
+    assert torch.equal(queue[0]["out"].token_logprobs, three_saves["batch"]["out"].token_logprobs)
+    assert not marker.exists()
+    assert folder_bytes(out) == before
+
+
+@pytest.mark.parametrize("damage", ["model.safetensors cut short", "a planted pickle in "
+                                    "rng_rank0.pt", "trainer_state.json garbage"])
+def test_resume_with_no_intact_checkpoint_stops_in_one_line_and_touches_nothing(
+        tmp_path, three_saves, one_thread, damage):
+    kind, spoil, named = DAMAGES[damage]
+    out, marker = tmp_path / "out", tmp_path / "planted-ran"
+    shutil.copytree(three_saves[kind], out)
+    for name in ("final", "step_2", "step_1"):
+        spoil(out / name, marker)
+    before = folder_bytes(out)
+    with pytest.raises(SystemExit) as error:
+        checkpoint.open_run(run_args(out, resume=True), 0, 1)
+    checkpoint.unlock()
+    message = str(error.value)
+    assert "\n" not in message and "no older one" in message and str(out) in message, message
+    assert not marker.exists()
+    assert folder_bytes(out) == before
+
+
+@pytest.mark.parametrize("name", ["rng_rank0.pt", "queue_rank0.pt"])
+def test_a_planted_pickle_never_runs_at_resume(tmp_path, three_saves, tiny_llama, one_thread,
+                                               name):
+    """A run folder whose only checkpoint holds a pickle that runs code in place of its RNG state
+    or its queue: --resume, as train.py does it (open_run, then checkpoint.load), stops in one line
+    naming the file, and the code never runs (torch.load(weights_only=False) ran it)."""
+    import torch
+
+    out, marker = tmp_path / "out", tmp_path / "planted-ran"
+    shutil.copytree(three_saves["plain"], out)
+    for step in ("step_1", "step_2"):
+        shutil.rmtree(out / step)
+    plant(out / "final" / name, marker)
+    message = None
+    try:
+        resumed, _ = checkpoint.open_run(run_args(out, resume=True), 0, 1)
+        model = tiny_llama(64)
+        checkpoint.load(resumed, model, torch.optim.AdamW(model.parameters()), torch.Generator(), 0)
+    except SystemExit as error:
+        message = str(error)
+    except Exception:  # what the planted object then breaks: the code has run already
+        pass
+    finally:
+        checkpoint.unlock()
+    assert not marker.exists(), "the planted pickle ran"
+    assert message and "\n" not in message
+    assert f"{out / 'final' / name} (it holds code, not data: a pickled exec" in message
+
+
+def test_recover_never_replaces_an_intact_checkpoint_by_a_damaged_one(tmp_path):
+    """A replacement of final/ that a kill interrupted, where the newer checkpoint is complete but
+    damaged (its weights cut short): recover keeps the intact older one, whichever name it has
+    (final/ with a .tmp-final beside it, or .old-final beside a final/), and --resume takes it."""
+    for newer, older in ((".tmp-final", "final"), ("final", ".old-final")):
+        out = tmp_path / newer.strip(".")
+        write_checkpoint(out / older, 1)
+        cut_short(write_checkpoint(out / newer, 2) / "model.safetensors")
+        checkpoint.recover(out)
+        passed_over = []
+        assert checkpoint.latest(out, passed_over) == out / older, newer
+        assert checkpoint.step_of(out / older) == 1
+        weights = out / newer / "model.safetensors"
+        assert passed_over == [f"{weights} (cut short: {weights.stat().st_size} bytes, its header "
+                               f"alone is longer)"], passed_over
+
+
+def test_a_garbage_line_in_metrics_jsonl_is_named_by_its_number(tmp_path, three_saves):
+    """A whole line of metrics.jsonl that is not a row stops --resume in one line naming the file
+    and the line's number, before anything is loaded or written; a torn last line is still
+    dropped (`test_a_resume_drops_rows_past_its_checkpoint_by_a_new_file`)."""
+    out = tmp_path / "out"
+    shutil.copytree(three_saves["plain"], out)
+    rows = [json.dumps({"step": 1, "reward": 0.5}), "\x00garbage{", json.dumps({"step": 2})]
+    (out / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    before = folder_bytes(out)
+    with pytest.raises(SystemExit) as error:
+        checkpoint.open_run(run_args(out, resume=True), 0, 1)
+    checkpoint.unlock()
+    message = str(error.value)
+    assert f"{out / 'metrics.jsonl'} line 2 is not JSON" in message and "\n" not in message
+    assert folder_bytes(out) == before
+    with pytest.raises(ValueError, match="metrics.jsonl line 2 is not JSON"):
+        checkpoint.start_log(run_args(out, resume=True), 1, resumed=True)
+
+
+def test_rng_and_queue_files_hold_tensors_and_plain_data_and_older_ones_still_load(
+        tmp_path, three_saves):
+    """What --resume reads of a checkpoint loads with torch.load(weights_only=True) and nothing
+    allowed beyond it; the files of a checkpoint written before (numpy's RNG key as an array, the
+    queue's rollout.Rollout) load too, with only those types allowed, to the same RNG streams."""
+    import random
+
+    import numpy as np
+    import torch
+
+    import rollout
+
+    final = three_saves["plain"] / "final"
+    for name in ("rng_rank0.pt", "queue_rank0.pt", "optimizer.pt"):
+        torch.load(final / name, weights_only=True)  # raises on any other type
+    torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
+    generator = torch.Generator().manual_seed(5)
+    older = {"torch": torch.get_rng_state(), "cuda": [], "python": random.getstate(),
+             "numpy": np.random.get_state(), "sampler": generator.get_state()}
+    draws = lambda: (torch.rand(2).tolist(), random.random(), np.random.rand(),  # noqa: E731
+                     torch.rand(1, generator=generator).item())
+    expected = draws()
+    torch.save(older, tmp_path / "rng_rank0.pt")
+    torch.save([{**three_saves["batch"], "out": three_saves["batch"]["out"]}],
+               tmp_path / "queue_rank0.pt")
+    checkpoint.set_rng_state(checkpoint.load_data(tmp_path / "rng_rank0.pt"), generator)
+    assert draws() == expected
+    (batch,) = checkpoint.load_data(tmp_path / "queue_rank0.pt")
+    assert isinstance(checkpoint.on_device(batch, "cpu")["out"], rollout.Rollout)
 
 
 # ---------------------------------------------------------------- a full disk

@@ -224,7 +224,8 @@ def check(term, place, aggregate="token-mean", ratio="token"):
 
 
 DESCRIBE = {"grad KL": "unbiased", "0": "zero in expectation (eq. 13)",
-            "K3-in-loss": "equals K3-in-loss (eq. 41)", "K3-in-reward": "equals K3-in-reward (eq. 15)",
+            "K3-in-loss": "equals K3-in-loss (eq. 41)",
+            "K3-in-reward": "equals K3-in-reward (eq. 15)",
             "token-level reverse KL": "equals the token-level reverse KL (prefixes held fixed)"}
 
 
@@ -233,7 +234,9 @@ def describe(row):
     numbers = f"cos {row['cos']:.4g}, relative bias {row['rel_bias']:.2g}"
     if row["equals"] == "grad KL":
         return "unbiased"
-    text = f"{DESCRIBE[row['equals']]}; biased: {numbers}" if row["equals"] else f"biased: {numbers}"
+    text = f"biased: {numbers}"
+    if row["equals"]:
+        text = f"{DESCRIBE[row['equals']]}; {text}"
     if row["equals_at_fixed_length"] not in (None, row["equals"]):
         text += f" (at a fixed length: {DESCRIBE[row['equals_at_fixed_length']]})"
     return text

@@ -17,7 +17,7 @@ from lab.check_kl import SETTINGS, TermError, check, exact_gradients
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# ---- terms, written here as a user writes them: FUNCTION(logp, ref_logp, old_logp, mask) -------
+# ---- terms, written here as a user writes them: FUNCTION(logp, ref_logp, old_logp, mask) ---------
 
 def k1(logp, ref_logp, old_logp, mask):
     return logp - ref_logp  # eq. 11
@@ -53,7 +53,7 @@ def k3_straight_through(logp, ref_logp, old_logp, mask):
     return k3(logp, ref_logp, old_logp, mask) * torch.exp(logp - logp.detach())
 
 
-# ---- Table 1 through check() ----------------------------------------------------------------------
+# ---- Table 1 through check() ---------------------------------------------------------------------
 
 # (term, place, on-policy verdict): test_kl.py's test_expected_gradients_table1 and
 # test_variable_lengths_table1 (and the KL to go, and --place weighted)
@@ -89,7 +89,8 @@ def test_table1_on_policy_and_off_policy(term, place, equals):
 LOSS_ROWS = [row for row in TABLE1 if row[1] == "loss" and row[0] is not no_kl]
 
 
-@pytest.mark.parametrize("term, place, equals", LOSS_ROWS, ids=[t.__name__ for t, _, _ in LOSS_ROWS])
+@pytest.mark.parametrize("term, place, equals", LOSS_ROWS,
+                         ids=[t.__name__ for t, _, _ in LOSS_ROWS])
 def test_seq_mean_has_a_constant_at_a_fixed_length_only(term, place, equals):
     """At a fixed T the per-sequence mean is the sum / T; with EOS lengths 1 / T_y weights each
     sequence, and no constant undoes it (even K1-in-loss's 0 is lost)."""
@@ -104,7 +105,7 @@ def test_ratio_options_on_policy_are_all_the_score_term():
     assert check(k1, "reward", ratio="none")["off_policy"]["equals"] is None
 
 
-# ---- the numbers behind the verdicts, against test_kl.py's hand-derived references ----------------
+# ---- the numbers behind the verdicts, against test_kl.py's hand-derived references ---------------
 
 def test_kl_references(setting, off_policy):
     """test_kl.py's closed forms at one of the checker's settings: (dict of (params,) tensors)."""
@@ -134,11 +135,18 @@ def test_exact_gradients_are_test_kl_closed_forms():
             expected[("k2", "loss")] = refs["k2_path"]
         for key, value in expected.items():
             assert test_kl.close(rows[key][index][1], value), (setting, key)
-            assert test_kl.close(rows[key][index][2]["grad KL"], refs["true"])
+        # the checker's own known gradients (module docstring) are test_kl.py's too
+        known = rows["k1", "reward"][index][2]
+        assert test_kl.close(known["grad KL"], refs["true"])
+        assert test_kl.close(known["K3-in-loss"], refs["eq41"])
+        assert test_kl.close(known["K3-in-reward"], expected["k3", "reward"])
+        if not setting[1]:
+            assert test_kl.close(known["token-level reverse KL"], refs["k2_path"])
 
 
 def test_off_policy_gradients_are_test_kl_closed_forms():
-    """test_off_policy_table1's hand-written lines: K1-in-reward, K1-in-loss, K3-in-loss under mu."""
+    """test_off_policy_table1's hand-written lines: K1-in-reward, K1-in-loss, K3-in-loss under
+    mu."""
     rows = {(term.__name__, place): exact_gradients(term, place, off_policy=True)
             for term, place in [(k1, "reward"), (k1, "loss"), (k3, "loss"), (k1, "both"),
                                 (weighted, "loss")]}
@@ -169,7 +177,7 @@ def test_the_ratio_corrected_k3_is_the_token_level_reverse_kl_by_hand():
         assert test_kl.close(got, by_hand)
 
 
-# ---- injected bugs in a term change the verdict ---------------------------------------------------
+# ---- injected bugs in a term change the verdict --------------------------------------------------
 
 def test_injected_bugs_in_a_term_change_the_verdict():
     # the straight-through trick: K3 x exp(logp - sg[logp]) is the token-level reverse KL;
@@ -206,7 +214,7 @@ def test_injected_bugs_in_a_term_change_the_verdict():
     assert {r["equals"] for r in check(undetached, "loss").values()} == {"grad KL"}
 
 
-# ---- the command line -----------------------------------------------------------------------------
+# ---- the command line ----------------------------------------------------------------------------
 
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "lab.check_kl", *args], cwd=ROOT,
@@ -218,7 +226,8 @@ def test_cli_plain_and_json(tmp_path):
     plain = run_cli(f"{here}:k3", "--place", "loss")
     assert plain.returncode == 0, plain.stderr
     lines = plain.stdout.splitlines()
-    assert lines[1] == "on-policy:  equals K3-in-loss (eq. 41); biased: cos 0.9976, relative bias 0.18"
+    assert lines[1] == ("on-policy:  equals K3-in-loss (eq. 41); "
+                        "biased: cos 0.9976, relative bias 0.18")
     assert lines[2].startswith("off-policy: biased: cos ")
     out = run_cli(f"{here}:k1", "--place", "reward", "--json")
     assert out.returncode == 0, out.stderr

@@ -105,13 +105,30 @@ def call_term(term, logp, ref_logp, old_logp, mask, differentiable):
     if tuple(out.shape) != tuple(logp.shape):
         raise TermError(f"the term returned shape {tuple(out.shape)}, not (B, T) = "
                         f"{tuple(logp.shape)}")
+    if out.dtype != f64:
+        raise TermError(f"the term returned {str(out.dtype).replace('torch.', '')}: keep float64 "
+                        "inside it (the verdicts are to 1e-9)")
     response = mask > 0
     if not torch.isfinite(out[response]).all():
         raise TermError("the term returned NaN or inf on a response token")
     if differentiable and not out.requires_grad:
         raise TermError("the term has no gradient in logp (detached?), and a loss place "
                         "differentiates it")
-    return torch.where(response, out.to(f64), torch.zeros((), dtype=f64))
+    # a term of each sequence alone: the same rows from half the batch (no batch statistic)
+    half = len(logp) // 2
+    try:
+        with torch.no_grad():
+            alone = term(*(x[:half].detach().clone() for x in (logp, ref_logp, old_logp, mask)))
+    except Exception as error:
+        raise TermError(f"the term raised {one_line(error)} on half the batch") from None
+    same = (isinstance(alone, torch.Tensor) and alone.shape == out[:half].shape
+            and torch.allclose(torch.where(response[:half], alone.to(f64), 0.0),
+                               torch.where(response[:half], out[:half].detach(), 0.0),
+                               rtol=1e-12, atol=1e-12))
+    if not same:
+        raise TermError("the term of a sequence depends on the other sequences of the batch (a "
+                        "batch statistic): the checker needs each row's term from its own row")
+    return torch.where(response, out, torch.zeros((), dtype=f64))
 
 
 def surrogate(logp, old_logp, mask, ratio):

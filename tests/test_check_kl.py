@@ -258,6 +258,13 @@ BAD_TERMS = {
                 "the term has no gradient in logp"),
     "nan": ("def f(logp, ref_logp, old_logp, mask):\n    return logp * float('nan')\n",
             "the term returned NaN or inf"),
+    "float32": ("def f(logp, ref_logp, old_logp, mask):\n    return (logp - ref_logp).float()\n",
+                "the term returned float32: keep float64"),
+    "batch_statistic": ("def f(logp, ref_logp, old_logp, mask):\n"
+                        "    return (logp - ref_logp) - (logp - ref_logp).detach().mean()\n",
+                        "depends on the other sequences of the batch"),
+    "signature": ("def f(logp, ref_logp):\n    return logp - ref_logp\n",
+                  "the term raised TypeError: f() takes 2 positional arguments but 4 were given"),
     "nan_grad": ("import torch\ndef f(logp, ref_logp, old_logp, mask):\n"
                  "    return torch.sqrt(logp - logp.detach())\n", "gradient is NaN or inf"),
 }

@@ -2,7 +2,7 @@
 on-policy and off-policy (sec. 3.2), against grad KL(pi || pi_ref) and Table 1's known gradients.
 
     python -m lab.check_kl FILE.py:FUNCTION --place loss|reward|reward-to-go|both \\
-        [--aggregate token-mean|seq-mean|sum] [--ratio token|sequence|none] [--json]
+        [--aggregate token-mean|seq-mean|sum] [--ratio token|sequence|none] [--json | --show]
     python -m lab.check_kl --preset ID [--json]      # an entry of lab/kl_presets.py
 
 FUNCTION(logp, ref_logp, old_logp, mask) returns the per-token term (B, T), differentiable in logp
@@ -276,6 +276,8 @@ parser.add_argument("--ratio", choices=RATIOS,
                     help="reward places: the policy loss's ratio pi/mu (default token)")
 parser.add_argument("--preset", metavar="ID", help="a configuration of lab/kl_presets.py")
 parser.add_argument("--json", action="store_true", help="print one JSON object")
+parser.add_argument("--show", action="store_true",
+                    help="also print each setting's E[g] beside grad KL (plain output only)")
 parser.add_argument("--model", nargs="?", const="smollm2-135m", default=None,
                     help="also measure on an LLM through lab/kl_gradients.py (not yet)")
 
@@ -351,14 +353,14 @@ def run(args):
         result = check(term, place, aggregate, ratio)
     except TermError as error:
         raise TermError(f"{label}: {error}") from None
-    return label, (place, aggregate, ratio), result
+    return label, (place, aggregate, ratio, term), result
 
 
 def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # tiny tensors: threads only add overhead
     try:
-        label, (place, aggregate, ratio), result = run(args)
+        label, (place, aggregate, ratio, term), result = run(args)
     except (InputError, TermError, ValueError) as error:
         print(f"check_kl: {error}", file=sys.stderr)
         return 2
@@ -369,7 +371,19 @@ def main(argv=None):
     print(f"{label}: --place {place} --aggregate {aggregate} --ratio {ratio} (exact, {settings})")
     print(f"on-policy:  {describe(result['on_policy'])}")
     print(f"off-policy: {describe(result['off_policy'])}")
+    if args.show:
+        show(term, place, aggregate, ratio)
     return 0
+
+
+def show(term, place, aggregate, ratio):
+    """Each setting's exact E[g] beside grad KL, in the toy's parameters (a, b[, e])."""
+    vector = lambda g: "(" + ", ".join(f"{x:+.6f}" for x in g.tolist()) + ")"  # noqa: E731
+    for regime, off_policy in (("on-policy", False), ("off-policy", True)):
+        for (T, eos, *_), g, known in exact_gradients(term, place, aggregate, ratio, off_policy):
+            lengths = "EOS-ended lengths <= " if eos else "fixed length "
+            print(f"  {regime:<11} {lengths}{T}: E[g] {vector(g)}, "
+                  f"grad KL {vector(known['grad KL'])}")
 
 
 if __name__ == "__main__":

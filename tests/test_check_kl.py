@@ -328,3 +328,13 @@ def test_presets(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "lab.kl_presets", None)  # as if the file were absent
     assert one_error_line(capsys, ["--preset", "fake-k3-loss"]) == (
         "check_kl: no presets here: lab/kl_presets.py is absent\n")
+
+
+def test_show_prints_each_settings_numbers(capsys):
+    assert check_kl.main([f"{Path(__file__).resolve()}:k1", "--place", "reward", "--show"]) == 0
+    lines = capsys.readouterr().out.splitlines()[3:]
+    assert len(lines) == 2 * len(SETTINGS)
+    # on-policy K1-in-reward: E[g] is grad KL, digit for digit
+    for line in lines[:len(SETTINGS)]:
+        g, true = line.split("E[g] ")[1].split(", grad KL ")
+        assert g.rstrip(",") == true

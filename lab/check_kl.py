@@ -7,8 +7,8 @@ on-policy and off-policy (sec. 3.2), against grad KL(pi || pi_ref) and Table 1's
 
 FUNCTION(logp, ref_logp, old_logp, mask) returns the per-token term (B, T), differentiable in logp
 as the user's library differentiates it (its detaches, clamps and ratios are inside it). All inputs
-are float64; old_logp is log mu, the behaviour policy's (logp.detach() on-policy). The contract:
-/work/notes/kl-contract.md; the definitions with a worked example: docs/check_kl.md.
+are float64; old_logp is log mu, the behaviour policy's (logp.detach() on-policy). The definitions
+below, with a worked example: docs/check_kl.md.
 
 The toy: binary tokens with p_t = sigmoid(a + b c_{t-1}) (eqs. 17-18), at a fixed length T, and with
 a stop token (toy.toy_with_eos: EOS with probability sigmoid(e), lengths 1..T). SETTINGS gives
@@ -37,7 +37,7 @@ The known gradients, each (a, b[, e]) at the current pi:
   off-policy: what a per-token ratio pi_t/mu_t can correct); eq. 15 is a sequence-level
   expectation, taken at pi (-grad E[T]: test_kl.py, EOS-ended lengths).
 
-`equals` names the first known gradient that the term's equals to TOL in every setting (else
+`equals` names the first known gradient that the term's E[g] equals to TOL in every setting (else
 None); `cos` (the smallest) and `rel_bias` = ||E[g] - grad KL|| / ||grad KL|| (the largest) are
 over the settings; `equals_at_fixed_length` is the verdict over the fixed-length settings only.
 """

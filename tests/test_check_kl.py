@@ -107,7 +107,7 @@ def test_ratio_options_on_policy_are_all_the_score_term():
 
 # ---- the numbers behind the verdicts, against test_kl.py's hand-derived references ---------------
 
-def test_kl_references(setting, off_policy):
+def closed_forms(setting, off_policy):
     """test_kl.py's closed forms at one of the checker's settings: (dict of (params,) tensors)."""
     T, eos, theta, mu, ref = setting
     if eos:
@@ -119,15 +119,13 @@ def test_kl_references(setting, off_policy):
     return refs, hand
 
 
-test_kl_references.__test__ = False  # a helper, not a test
-
 
 def test_exact_gradients_are_test_kl_closed_forms():
     rows = {(term.__name__, place): exact_gradients(term, place)
             for term, place in [(k1, "reward"), (k1, "loss"), (k3, "loss"), (k3, "reward"),
                                 (k2, "loss")]}
     for index, setting in enumerate(SETTINGS):
-        refs, _ = test_kl_references(setting, False)
+        refs, _ = closed_forms(setting, False)
         expected = {("k1", "reward"): refs["true"], ("k1", "loss"): 0 * refs["true"],
                     ("k3", "loss"): refs["eq41"],
                     ("k3", "reward"): refs["true"] + refs["eq19"] - refs.get("length", 0)}
@@ -153,7 +151,7 @@ def test_off_policy_gradients_are_test_kl_closed_forms():
     for index, setting in enumerate(SETTINGS):
         if setting[1]:
             continue  # test_kl.py writes the off-policy lines for fixed lengths
-        refs, hand = test_kl_references(setting, True)
+        refs, hand = closed_forms(setting, True)
         assert test_kl.close(rows["k1", "reward"][index][1], hand["k1_reward"])
         assert test_kl.close(rows["k1", "loss"][index][1], hand["k1_loss"])
         assert test_kl.close(rows["k3", "loss"][index][1], hand["k3_loss"])

@@ -119,7 +119,6 @@ def closed_forms(setting, off_policy):
     return refs, hand
 
 
-
 def test_exact_gradients_are_test_kl_closed_forms():
     rows = {(term.__name__, place): exact_gradients(term, place)
             for term, place in [(k1, "reward"), (k1, "loss"), (k3, "loss"), (k3, "reward"),

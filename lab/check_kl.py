@@ -42,6 +42,7 @@ None); `cos` (the smallest) and `rel_bias` = ||E[g] - grad KL|| / ||grad KL|| (t
 over the settings; `equals_at_fixed_length` is the verdict over the fixed-length settings only.
 """
 import argparse
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -360,7 +361,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # tiny tensors: threads only add overhead
     try:
-        label, (place, aggregate, ratio, term), result = run(args)
+        # what the user's file prints goes to stderr: stdout is the verdict (one JSON object)
+        with contextlib.redirect_stdout(sys.stderr):
+            label, (place, aggregate, ratio, term), result = run(args)
     except (InputError, TermError, ValueError) as error:
         print(f"check_kl: {error}", file=sys.stderr)
         return 2
@@ -372,15 +375,18 @@ def main(argv=None):
     print(f"on-policy:  {describe(result['on_policy'])}")
     print(f"off-policy: {describe(result['off_policy'])}")
     if args.show:
-        show(term, place, aggregate, ratio)
+        with contextlib.redirect_stdout(sys.stderr):
+            rows = {off: exact_gradients(term, place, aggregate, ratio, off)
+                    for off in (False, True)}
+        show(rows)
     return 0
 
 
-def show(term, place, aggregate, ratio):
+def show(rows):
     """Each setting's exact E[g] beside grad KL, in the toy's parameters (a, b[, e])."""
     vector = lambda g: "(" + ", ".join(f"{x:+.6f}" for x in g.tolist()) + ")"  # noqa: E731
     for regime, off_policy in (("on-policy", False), ("off-policy", True)):
-        for (T, eos, *_), g, known in exact_gradients(term, place, aggregate, ratio, off_policy):
+        for (T, eos, *_), g, known in rows[off_policy]:
             lengths = "EOS-ended lengths <= " if eos else "fixed length "
             print(f"  {regime:<11} {lengths}{T}: E[g] {vector(g)}, "
                   f"grad KL {vector(known['grad KL'])}")

@@ -234,6 +234,12 @@ def test_cli_plain_and_json(tmp_path):
     assert set(result["on_policy"]) >= {"equals", "cos", "rel_bias"}
     unbiased = run_cli(f"{here}:k1", "--place", "reward")
     assert unbiased.stdout.splitlines()[1] == "on-policy:  unbiased"
+    # what a user's file prints (at import, in the term) goes to stderr: stdout stays one object
+    (tmp_path / "noisy.py").write_text("print('importing')\n"
+                                       "def f(logp, ref_logp, old_logp, mask):\n"
+                                       "    print('called')\n    return logp - ref_logp\n")
+    noisy = run_cli(f"{tmp_path / 'noisy.py'}:f", "--place", "reward", "--json")
+    assert json.loads(noisy.stdout) == result and "importing" in noisy.stderr
 
 
 def one_error_line(capsys, argv):

@@ -326,6 +326,11 @@ def test_presets(monkeypatch, capsys):
     assert json.loads(capsys.readouterr().out) == check(k3, "loss")
     assert check_kl.main(["--preset", "fake-k1-reward"]) == 0
     assert capsys.readouterr().out.splitlines()[1] == "on-policy:  unbiased"
+    # a flag given overrides the preset's
+    assert check_kl.main(["--preset", "fake-k3-loss", "--aggregate", "seq-mean", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == check(k3, "loss", "seq-mean")
+    assert "not both" in one_error_line(capsys, [f"{Path(__file__).resolve()}:k1", "--preset",
+                                                 "fake-k3-loss"])
     assert "unknown preset 'nope': choose one of fake-k3-loss, fake-k1-reward" in one_error_line(
         capsys, ["--preset", "nope"])
     monkeypatch.setitem(sys.modules, "lab.kl_presets", None)  # as if the file were absent

@@ -6,8 +6,7 @@ reading the library's code at the commit named above it (the math re-written her
 code): the same estimator, clamps, detaches, ratios and straight-through tricks, so that autograd
 through `logp` gives the gradient the library's backward gives. PRESETS says where the library
 puts the term (place), how its loss averages it (aggregate) and which ratio its policy loss
-weights the advantage with (ratio, for the reward places); the contract is
-notes/kl-contract.md.
+weights the advantage with (ratio, for the reward places), the keys lab/check_kl.py reads.
 
     logp      log pi(y_t | y<t) of the sampled tokens, differentiable
     ref_logp  log pi_ref of the same tokens

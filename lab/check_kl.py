@@ -2,7 +2,8 @@
 on-policy and off-policy (sec. 3.2), against grad KL(pi || pi_ref) and Table 1's known gradients.
 
     python -m lab.check_kl FILE.py:FUNCTION --place loss|reward|reward-to-go|both \\
-        [--aggregate token-mean|seq-mean|sum] [--ratio token|sequence|none] [--json | --show]
+        [--aggregate token-mean|seq-mean|sum] [--ratio token|sequence|sequence-product|none]
+        [--json | --show]
     python -m lab.check_kl --preset ID [--json]      # an entry of lab/kl_presets.py
 
 FUNCTION(logp, ref_logp, old_logp, mask) returns the per-token term (B, T), differentiable in logp
@@ -12,7 +13,7 @@ below, with a worked example: docs/check_kl.md.
 
 The toy: binary tokens with p_t = sigmoid(a + b c_{t-1}) (eqs. 17-18), at a fixed length T, and with
 a stop token (toy.toy_with_eos: EOS with probability sigmoid(e), lengths 1..T). SETTINGS gives
-pi, mu and pi_ref, all different. beta = 1, no task reward, every response enumerated, each
+pi, mu and pi_ref, all different; in two of them far apart, so that clamps at +-10 act. beta = 1, no task reward, every response enumerated, each
 weighted by its probability under the sampling policy s (s = pi on-policy, s = mu off-policy):
 
   place loss:          E_s[ sum_t w_t grad term_t ]                              (eq. 9)
@@ -21,8 +22,9 @@ weighted by its probability under the sampling policy s (s = pi on-policy, s = m
   place both:          loss + reward
   In reward places the term is taken at the rollout: term(old_logp, ref_logp, old_logp, mask).
   rho_t is the policy loss's surrogate (--ratio): "token" pi_t/mu_t (PPO, clip inactive),
-  "sequence" exp(mean_t log pi_t/mu_t) on every token (GSPO), "none" log pi_t (REINFORCE).
-  On-policy every rho_t has the gradient grad log pi_t.
+  "sequence" exp(mean_t log pi_t/mu_t) on every token (GSPO), "sequence-product" pi(y)/mu(y) once
+  a sequence (TRL's RLOO: exp(sum_t log pi_t/mu_t) / T_y on each token), "none" log pi_t
+  (REINFORCE). On-policy each sums over the tokens to the gradient grad log pi(y).
   w_t is the aggregation with its constant undone: "sum" 1; "token-mean" 1 (the batch's token count
   is B E_s[T] for a large batch: the constant E_s[T] is undone); "seq-mean" E_s[T] / T_y (the same
   constant undone; at a fixed length w_t = 1, with EOS lengths no constant removes 1 / T_y).
@@ -39,7 +41,8 @@ The known gradients, each (a, b[, e]) at the current pi:
 
 `equals` names the first known gradient that the term's E[g] equals to TOL in every setting (else
 None); `cos` (the smallest) and `rel_bias` = ||E[g] - grad KL|| / ||grad KL|| (the largest) are
-over the settings; `equals_at_fixed_length` is the verdict over the fixed-length settings only.
+over the settings; `equals_at_fixed_length` is the verdict over the fixed-length settings only;
+`equals_by_setting` each setting's first match (SETTING_NAMES: where a verdict fails).
 """
 import argparse
 import contextlib
@@ -58,13 +61,19 @@ f64 = torch.float64
 TOL = 1e-9  # test_kl.py's
 PLACES = ("loss", "reward", "reward-to-go", "both")
 AGGREGATES = ("token-mean", "seq-mean", "sum")
-RATIOS = ("token", "sequence", "none")
+RATIOS = ("token", "sequence", "sequence-product", "none")
 KNOWN = ("grad KL", "0", "K3-in-loss", "K3-in-reward", "token-level reverse KL")
-# T, eos, and the parameters of pi, mu and pi_ref: (a, b) of eq. 17, and e (the stop logit)
+# T, eos, and the parameters of pi, mu and pi_ref: (a, b) of eq. 17, and e (the stop logit).
+# The last two are far apart, so that the libraries' clamps act: pi_ref(1 | y<t) ~ e^-10, so on most
+# of pi's responses some token has K1_t > 10 and K3_t > 10 (either side of r); off-policy mu(1 | 0) ~
+# 0.05, so pi_t / mu_t > 10 on some of mu's responses (14% at fixed T = 3), and K3 of mu > 10 on a few.
 SETTINGS = [(3, False, (0.5, -0.2), (0.1, 0.3), (0.0, -0.3)),
             (5, False, (-0.7, 0.4), (-0.3, 0.1), (0.2, 0.3)),
             (3, True, (0.5, -0.2, -0.8), (0.2, 0.1, -0.5), (0.0, -0.3, -1.5)),
-            (5, True, (-0.7, 0.4, -1.2), (-0.4, 0.2, -0.9), (0.2, 0.3, -0.6))]
+            (5, True, (-0.7, 0.4, -1.2), (-0.4, 0.2, -0.9), (0.2, 0.3, -0.6)),
+            (3, False, (2.0, 0.5), (-3.0, 2.0), (-9.5, -1.0)),
+            (3, True, (2.0, 0.5, -1.5), (-3.0, 2.0, -0.5), (-9.5, -1.0, 1.0))]
+SETTING_NAMES = ["T=3", "T=5", "EOS<=3", "EOS<=5", "T=3 far", "EOS<=3 far"]  # --json's settings
 
 
 class TermError(ValueError):
@@ -139,6 +148,9 @@ def surrogate(logp, old_logp, mask, ratio):
     if ratio == "sequence":  # GSPO: exp(mean_t log pi_t / mu_t), broadcast onto every token
         mean_log_ratio = (mask * (logp - old_logp)).sum(-1, keepdim=True) / mask.sum(-1, True)
         return torch.exp(mean_log_ratio).expand_as(logp)
+    if ratio == "sequence-product":  # TRL's RLOO: exp(sum_t log pi_t / mu_t) = pi(y) / mu(y)
+        log_ratio = (mask * (logp - old_logp)).sum(-1, keepdim=True)
+        return torch.exp(log_ratio).expand_as(logp) / mask.sum(-1, True)
     return logp  # REINFORCE: -A log pi_t
 
 
@@ -210,10 +222,14 @@ def exact_gradients(term, place, aggregate="token-mean", ratio="token", off_poli
     return rows
 
 
+def matches(g, known):
+    """The known gradients that g equals to TOL, in KNOWN's order."""
+    return [name for name in KNOWN if (g - known[name]).abs().max().item() < TOL]
+
+
 def verdict(rows):
     """{"equals", "cos", "rel_bias"} over the rows (worst over the settings)."""
-    equals = next((name for name in KNOWN
-                   if all((g - known[name]).abs().max().item() < TOL for _, g, known in rows)),
+    equals = next((name for name in KNOWN if all(name in matches(g, known) for _, g, known in rows)),
                   None)
     cos, rel_bias = 1.0, 0.0
     for _, g, known in rows:
@@ -237,7 +253,11 @@ def check(term, place, aggregate="token-mean", ratio="token"):
     for regime, off_policy in (("on_policy", False), ("off_policy", True)):
         rows = exact_gradients(term, place, aggregate, ratio, off_policy)
         fixed = verdict([row for row in rows if not row[0][1]])
-        result[regime] = {**verdict(rows), "equals_at_fixed_length": fixed["equals"]}
+        # each setting's first match: where a verdict fails (a clamp acts only at the far ones)
+        by_setting = {name: (matches(g, known) or [None])[0]
+                      for name, (_, g, known) in zip(SETTING_NAMES, rows)}
+        result[regime] = {**verdict(rows), "equals_at_fixed_length": fixed["equals"],
+                          "equals_by_setting": by_setting}
     return result
 
 
@@ -257,6 +277,13 @@ def describe(row):
         text = f"{DESCRIBE[row['equals']]}; {text}"
     if row["equals_at_fixed_length"] not in (None, row["equals"]):
         text += f" (at a fixed length: {DESCRIBE[row['equals_at_fixed_length']]})"
+    elif row["equals"] is None:
+        by_setting = row.get("equals_by_setting", {})
+        held = {name for name in by_setting.values() if name}
+        if len(held) == 1:  # one known gradient, failing at some settings only (a clamp, 1/T_y)
+            name = held.pop()
+            failed = [s for s, name_at in by_setting.items() if name_at != name]
+            text += f" ({DESCRIBE[name]} except at {', '.join(failed)})"
     return text
 
 

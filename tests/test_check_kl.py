@@ -105,6 +105,59 @@ def test_ratio_options_on_policy_are_all_the_score_term():
     assert check(k1, "reward", ratio="none")["off_policy"]["equals"] is None
 
 
+def test_sequence_product_ratio_is_the_sequence_importance_weight():
+    """TRL's RLOO: -A pi(y)/mu(y) once a sequence. On-policy the score term (grad KL for K1);
+    off-policy, with the KL taken at the rollout (log mu/pi_ref), E_mu[(pi/mu) K grad log pi(y)] =
+    grad_theta sum_y pi(y) sg[sum_t log mu_t/pi_ref_t]: written here from the sequences."""
+    assert check(k1, "reward", "sum", "sequence-product")["on_policy"]["equals"] == "grad KL"
+    rows = exact_gradients(k1, "reward", "sum", "sequence-product", off_policy=True)
+    gspo = exact_gradients(k1, "reward", "sum", "sequence", off_policy=True)
+    for index, (T, eos, theta, mu, ref) in enumerate(SETTINGS):
+        m = check_kl.responses(T, eos, theta, ref)
+        mu_logp = check_kl.responses(T, eos, mu, ref)["logp"].detach()
+        k1_of_mu = (m["mask"] * (mu_logp - m["ref_logp"].detach())).sum(-1)
+        by_hand = torch.stack(torch.autograd.grad((m["logp"].sum(-1).exp() * k1_of_mu).sum(),
+                                                  m["params"]))
+        assert test_kl.close(rows[index][1], by_hand), SETTINGS[index]
+        assert not test_kl.close(gspo[index][1], by_hand)  # GSPO's mean ratio is another weight
+
+
+def test_the_far_settings_make_the_clamps_act():
+    """Two settings where pi, pi_ref (and mu) are far apart: some of pi's tokens have K1 > 10 and
+    K3 > 10, some of mu's have pi/mu > 10; a clamp there changes the verdict, at those settings
+    only."""
+    far = [s for s, name in zip(SETTINGS, check_kl.SETTING_NAMES) if "far" in name]
+    assert {eos for _, eos, *_ in far} == {False, True}
+    for T, eos, theta, mu, ref in far:
+        m, s = check_kl.responses(T, eos, theta, ref), check_kl.responses(T, eos, mu, ref)
+        logp, ref_logp, mask = m["logp"].detach(), m["ref_logp"].detach(), m["mask"]
+        k3_value = k3(logp, ref_logp, None, mask) * mask
+        pi_prob, mu_prob = logp.sum(-1).exp(), s["logp"].detach().sum(-1).exp()
+        ratio = (logp - s["logp"].detach()).exp() * mask
+        assert (pi_prob * ((k3_value > 10).any(-1) & (k3_value < 10).any(-1))).sum() > 0.1
+        assert (pi_prob * ((logp - ref_logp) * mask > 10).any(-1)).sum() > 0.1
+        assert (mu_prob * (ratio > 10).any(-1)).sum() > 0.05
+    near = ["T=3", "T=5", "EOS<=3", "EOS<=5"]
+    clamped_k3 = check(lambda *a: k3(*a).clamp(-10, 10), "loss")["on_policy"]
+    assert clamped_k3["equals"] is None
+    assert clamped_k3["equals_by_setting"] == {**dict.fromkeys(near, "K3-in-loss"),
+                                               "T=3 far": None, "EOS<=3 far": None}
+    clamped_k1 = check(lambda *a: k1(*a).clamp(-10, 10), "reward")["on_policy"]
+    assert clamped_k1["equals"] is None and clamped_k1["rel_bias"] > 1e-3
+    assert [clamped_k1["equals_by_setting"][name] for name in near] == ["grad KL"] * 4
+    # an importance weight clamped at 10 (OpenRLHF's KL_IS_WEIGHT_CLIP) acts off-policy only
+
+    def clipped_weight(logp, ref_logp, old_logp, mask):
+        weight = torch.exp(logp - old_logp).clamp(max=10.0)
+        return weight * k3(logp, ref_logp, old_logp, mask)
+
+    result = check(clipped_weight, "loss")
+    assert result["on_policy"]["equals"] == "token-level reverse KL"
+    assert result["off_policy"]["equals"] is None
+    assert result["off_policy"]["equals_by_setting"]["T=3"] == "token-level reverse KL"
+    assert "except at T=3 far, EOS<=3 far" in check_kl.describe(clamped_k3)
+
+
 # ---- the numbers behind the verdicts, against test_kl.py's hand-derived references ---------------
 
 def closed_forms(setting, off_policy):
@@ -224,7 +277,7 @@ def test_cli_plain_and_json(tmp_path):
     assert plain.returncode == 0, plain.stderr
     lines = plain.stdout.splitlines()
     assert lines[1] == ("on-policy:  equals K3-in-loss (eq. 41); "
-                        "biased: cos 0.9976, relative bias 0.18")
+                        "biased: cos 0.9779, relative bias 0.81")
     assert lines[2].startswith("off-policy: biased: cos ")
     out = run_cli(f"{here}:k1", "--place", "reward", "--json")
     assert out.returncode == 0, out.stderr

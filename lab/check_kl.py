@@ -249,16 +249,18 @@ def check(term, place, aggregate="token-mean", ratio="token"):
                                  (ratio, "ratio", RATIOS)):
         if value not in choices:
             raise ValueError(f"unknown {name} {value!r}: choose one of {', '.join(choices)}")
-    result = {}
-    for regime, off_policy in (("on_policy", False), ("off_policy", True)):
-        rows = exact_gradients(term, place, aggregate, ratio, off_policy)
-        fixed = verdict([row for row in rows if not row[0][1]])
-        # each setting's first match: where a verdict fails (a clamp acts only at the far ones)
-        by_setting = {name: (matches(g, known) or [None])[0]
-                      for name, (_, g, known) in zip(SETTING_NAMES, rows)}
-        result[regime] = {**verdict(rows), "equals_at_fixed_length": fixed["equals"],
-                          "equals_by_setting": by_setting}
-    return result
+    return {regime: regime_verdict(exact_gradients(term, place, aggregate, ratio, off_policy))
+            for regime, off_policy in (("on_policy", False), ("off_policy", True))}
+
+
+def regime_verdict(rows):
+    """One regime's entry of check() from exact_gradients' rows."""
+    fixed = verdict([row for row in rows if not row[0][1]])
+    # each setting's first match: where a verdict fails (a clamp acts only at the far ones)
+    by_setting = {name: (matches(g, known) or [None])[0]
+                  for name, (_, g, known) in zip(SETTING_NAMES, rows)}
+    return {**verdict(rows), "equals_at_fixed_length": fixed["equals"],
+            "equals_by_setting": by_setting}
 
 
 DESCRIBE = {"grad KL": "unbiased", "0": "zero in expectation (eq. 13)",

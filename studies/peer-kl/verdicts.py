@@ -1,7 +1,7 @@
 """Every preset of lab/kl_presets.py and this project's own configurations through lab/check_kl.py
 (issue 60, items 3-4): studies/peer-kl/verdicts.json, and README.md's prediction table.
 
-    python studies/peer-kl/verdicts.py          # writes verdicts.json (deterministic)
+    python studies/peer-kl/verdicts.py          # verdicts.json (deterministic) and the docs' tables
 
 A row per configuration: id, library, configuration (its flags), source, place, aggregate, ratio,
 on_policy and off_policy as check_kl.check() gives them (floats to 10 significant digits, so
@@ -14,8 +14,9 @@ measurement when its exact on-policy E[g] equals that row's in every setting of 
 hidden); never by name. The figures are read from the committed results.json files with
 studies/kl-gradients-whole/verdicts.py's own formats.
 
-The predictions registered in READING.md are parsed from its text and compared with the verdicts
-(predictions() and hits()); README.md's table is their output (`--predictions`).
+It also regenerates the marked blocks of docs/peers.md (the table, the claims) and of
+studies/peer-kl/README.md (the registered predictions of READING.md, parsed from its text by
+predictions(), against the verdicts: hits()).
 """
 import importlib.util
 import json
@@ -220,10 +221,23 @@ def hits(result, predicted):
     return table
 
 
+NEAR = [name for name in check_kl.SETTING_NAMES if "far" not in name]
+
+
+def near(regime, fixed_only=False):
+    """The verdict over the four settings the predictions were written for (no clamp acts)."""
+    values = {regime["equals_by_setting"][name] for name in NEAR
+              if not (fixed_only and name.startswith("EOS"))}
+    return values.pop() if len(values) == 1 else None
+
+
 def prediction_table(result):
-    """README.md's table: predicted, got, hit/miss."""
+    """README.md's table: predicted, got (over all six settings, and over the four near ones),
+    hit/miss."""
     show = lambda v: "null" if v is None else v  # noqa: E731
-    lines = ["| preset | predicted on / off | got on / off | |", "|---|---|---|---|"]
+    rows = {row["id"]: row for row in result["rows"]}
+    lines = ["| preset | predicted on / off | got on / off (all six settings) | "
+             "got at the four near settings | |", "|---|---|---|---|---|"]
     table = hits(result, predictions())
     for preset_id, (on, fixed, off), (g_on, g_fixed, g_off), hit in table:
         cell = f"{show(on)} / {show(off)}"
@@ -232,17 +246,184 @@ def prediction_table(result):
         got = f"{show(g_on)} / {show(g_off)}"
         if fixed is not None or (g_fixed != g_on):
             got = f"{show(g_on)} ({show(g_fixed)} at fixed T) / {show(g_off)}"
-        lines.append(f"| `{preset_id}` | {cell} | {got} | {'hit' if hit else '**miss**'} |")
+        row = rows[preset_id]
+        at_near = f"{show(near(row['on_policy']))} / {show(near(row['off_policy']))}"
+        if fixed is not None:
+            at_near = (f"{show(near(row['on_policy']))} ({show(near(row['on_policy'], True))} "
+                       f"at fixed T) / {show(near(row['off_policy']))}")
+        lines.append(f"| `{preset_id}` | {cell} | {got} | {at_near} | "
+                     f"{'hit' if hit else '**miss**'} |")
     count = sum(hit for *_, hit in table)
     lines.append(f"\n{count} hits, {len(table) - count} misses of {len(table)} registered "
                  "predictions.")
     return "\n".join(lines)
 
 
+# ---- docs/peers.md's opening table and the claims, README.md's prediction table ------------------
+
+SHORT = {"grad KL": "grad KL", "0": "0 (eq. 13)", "K3-in-loss": "K3-in-loss (eq. 41)",
+         "K3-in-reward": "K3-in-reward (eq. 15)", "token-level reverse KL": "token-level reverse KL",
+         None: "none of these"}
+FAR = [name for name in check_kl.SETTING_NAMES if "far" in name]
+EOS = [name for name in check_kl.SETTING_NAMES if name.startswith("EOS")]
+
+
+def failing(regime):
+    """(the one known gradient held at some settings only, the settings where it fails) or None."""
+    by_setting = regime["equals_by_setting"]
+    held = {name for name in by_setting.values() if name}
+    if regime["equals"] is not None or len(held) != 1:
+        return None
+    name = held.pop()
+    return name, [s for s, at in by_setting.items() if at != name]
+
+
+def regime_cell(regime):
+    """One regime's exact verdict and its worst numbers."""
+    numbers = f"cos {regime['cos']:.3f}, bias {regime['rel_bias']:.2f}"
+    if regime["equals"] == "grad KL":
+        return "**grad KL**"
+    text = SHORT[regime["equals"]] if regime["equals"] else "null"
+    fails = failing(regime)
+    if fails:
+        text += f" ({SHORT[fails[0]]} but at {', '.join(fails[1])})"
+    return f"{text}; {numbers}"
+
+
+def plain_verdict(row):
+    """The plain verdict: unbiased or not, and why, in a few words."""
+    on, off = row["on_policy"], row["off_policy"]
+    if on["equals"] == "grad KL" and off["equals"] == "grad KL":
+        return "unbiased, on- and off-policy"
+    if on["equals"] == "grad KL":
+        return "unbiased on-policy only"
+    fails = failing(on)
+    if fails and set(fails[1]) <= set(FAR + EOS):
+        # a setting that fails: an EOS-ended one (near) is 1/T_y's; the fixed-length far one a clamp's
+        causes = []
+        if set(fails[1]) & (set(EOS) - set(FAR)):
+            causes.append("1/T_y at EOS-ended lengths")
+        if set(fails[1]) & (set(FAR) - set(EOS)):
+            causes.append("its clamp")
+        why = f"{SHORT[fails[0]]} but for {' and '.join(causes or ['the far EOS-ended setting'])}"
+    elif on["equals"] == "0":
+        why = "no KL gradient at all"
+    else:
+        why = SHORT[on["equals"]] if on["equals"] else "none of the known gradients"
+    return f"biased: {why}"
+
+
+def smollm2_figures(row):
+    step = row["smollm2"]["step 20"]["text"]
+    return (f"{step['cos']}; {step['rel_bias']}" if "cos" in step
+            else f"= grad KL (check {step['check']})")
+
+
+def smollm2_cell(row):
+    measured = row["smollm2"]
+    if not measured:
+        return "not measured"
+    figures = smollm2_figures(row)
+    return figures if measured["how"] == "measured" else f"{figures} (as {measured['row']})"
+
+
+def peers_table(result):
+    """docs/peers.md's opening table: every preset, and this project's weighted."""
+    lines = ["| library | preset | flags | on-policy (exact, worst of 6) | off-policy (exact) | "
+             "plain verdict | SmolLM2 step 20: cos; rel. bias |", "|---|---|---|---|---|---|---|"]
+    rows = [r for r in result["rows"] if r["library"] != "this project"]
+    rows += [r for r in result["rows"] if r["id"] == "project-weighted"]
+    for row in rows:
+        flags = row["configuration"].replace("|", "\\|")
+        lines.append(f"| {row['library']} | `{row['id']}` | `{flags}` | "
+                     f"{regime_cell(row['on_policy'])} | {regime_cell(row['off_policy'])} | "
+                     f"{plain_verdict(row)} | {smollm2_cell(row)} |")
+    return "\n".join(lines)
+
+
+# (preset id, who, what its text claims): READING.md's quotes
+CLAIMS = [
+    ("trl-grpo-k3-corrected", "TRL PR #6503 (the 1.10 default)",
+     "multiplying the KL term by the importance-sampling ratio recovers the correct unbiased "
+     "reverse-KL gradient ... a no-op on-policy"),
+    ("slime-unbiased-kl", "slime PR #1004 (`--use-unbiased-kl`)",
+     "this adjustment makes the gradient of the KL estimator unbiased"),
+    ("openrlhf-unbiased-gradient", "OpenRLHF PR #1309 (`--algo.kl.unbiased_gradient`)",
+     "backprop the true reverse-KL gradient"),
+    ("verl-k3plus-loss", "verl PR #6058 (`k3+`)", "unbiased k3 value with unbiased k2 gradient"),
+    ("areal-kdrl", "AReaL's docs (docs/en/algorithms/distillation.md, KDRL)",
+     "an unbiased estimate of grad J_GRPO + beta grad J_RKL"),
+    ("nemo-k3", "NeMo-RL PR #2506",
+     "Fix GRPO reference-policy KL gradients so KL regularization includes the sampled-policy "
+     "score term"),
+    ("nemo-k3-onpolicy-approx", "NeMo-RL's docs (use_on_policy_kl_approximation)",
+     "both unbiased and guaranteed to be positive"),
+]
+
+
+def claims(result):
+    """docs/peers.md's claims, each against its preset's exact verdict and SmolLM2's."""
+    rows = {row["id"]: row for row in result["rows"]}
+    lines = []
+    for preset_id, who, claim in CLAIMS:
+        row = rows[preset_id]
+        on, off = row["on_policy"], row["off_policy"]
+        text = (f"- **{who}**: \"{claim}\". `{preset_id}`'s exact expected gradient, on-policy: "
+                f"{regime_cell(on)}; off-policy: {regime_cell(off)}")
+        if row["smollm2"]:
+            text += (f"; on SmolLM2 (step 20, the same expectation as {row['smollm2']['row']}) "
+                     f"cos {smollm2_figures(row).replace('; ', ', relative bias ')}")
+        lines.append(text + ". Not grad KL.")
+    return "\n".join(lines)
+
+
+def smollm2_list(result):
+    """README.md's list: each preset's SmolLM2 measurement, inherited or not measured."""
+    lines = []
+    for how in ("inherited", "not measured"):
+        ids = [row["id"] for row in result["rows"] if row["library"] != "this project"
+               and ((row["smollm2"] is None) == (how == "not measured"))]
+        if how == "inherited":
+            by_row = {}
+            for row in result["rows"]:
+                if row["id"] in ids:
+                    by_row.setdefault(row["smollm2"]["row"], []).append(f"`{row['id']}`")
+            lines += [f"- inherited from {name}: {', '.join(found)}"
+                      for name, found in by_row.items()]
+        else:
+            lines.append(f"- not measured ({len(ids)}): {', '.join(f'`{i}`' for i in ids)}")
+    return "\n".join(lines)
+
+
+BLOCKS = {  # file: {marker: renderer}
+    ROOT / "docs" / "peers.md": {"table": peers_table, "claims": claims},
+    HERE / "README.md": {"predictions": prediction_table, "smollm2": smollm2_list},
+}
+
+
+def block(name, body):
+    return f"<!-- verdicts.py: {name} -->\n{body}\n<!-- /verdicts.py: {name} -->"
+
+
+def render(text, renderers, result):
+    """text with each marked block regenerated."""
+    for name, renderer in renderers.items():
+        pattern = re.compile(rf"<!-- verdicts.py: {name} -->.*?<!-- /verdicts.py: {name} -->",
+                             re.S)
+        if not pattern.search(text):
+            raise ValueError(f"no block {name!r} to regenerate")
+        text = pattern.sub(lambda _: block(name, renderer(result)), text)
+    return text
+
+
 def main(argv=()):
     result = build()
     OUTPUT.write_text(dumps(result))
     print(f"wrote {OUTPUT.relative_to(ROOT)}: {len(result['rows'])} rows")
+    for path, renderers in BLOCKS.items():
+        if path.exists():
+            path.write_text(render(path.read_text(), renderers, result))
+            print(f"regenerated {', '.join(renderers)} in {path.relative_to(ROOT)}")
     if "--predictions" in argv:
         print(prediction_table(result))
 

@@ -13,8 +13,9 @@ below, with a worked example: docs/check_kl.md.
 
 The toy: binary tokens with p_t = sigmoid(a + b c_{t-1}) (eqs. 17-18), at a fixed length T, and with
 a stop token (toy.toy_with_eos: EOS with probability sigmoid(e), lengths 1..T). SETTINGS gives
-pi, mu and pi_ref, all different; in two of them far apart, so that clamps at +-10 act. beta = 1, no task reward, every response enumerated, each
-weighted by its probability under the sampling policy s (s = pi on-policy, s = mu off-policy):
+pi, mu and pi_ref, all different; in two of them far apart, so that clamps at +-10 act. beta = 1,
+no task reward, every response enumerated, each weighted by its probability under the sampling
+policy s (s = pi on-policy, s = mu off-policy):
 
   place loss:          E_s[ sum_t w_t grad term_t ]                              (eq. 9)
   place reward:        E_s[ sum_t w_t K grad rho_t ],  K = sum_t sg[term_t]      (eqs. 7-8)
@@ -65,8 +66,9 @@ RATIOS = ("token", "sequence", "sequence-product", "none")
 KNOWN = ("grad KL", "0", "K3-in-loss", "K3-in-reward", "token-level reverse KL")
 # T, eos, and the parameters of pi, mu and pi_ref: (a, b) of eq. 17, and e (the stop logit).
 # The last two are far apart, so that the libraries' clamps act: pi_ref(1 | y<t) ~ e^-10, so on most
-# of pi's responses some token has K1_t > 10 and K3_t > 10 (either side of r); off-policy mu(1 | 0) ~
-# 0.05, so pi_t / mu_t > 10 on some of mu's responses (14% at fixed T = 3), and K3 of mu > 10 on a few.
+# of pi's responses some token has K1_t > 10 and K3_t > 10 (either side of r); off-policy
+# mu(1 | 0) ~ 0.05, so pi_t / mu_t > 10 on some of mu's responses (14% at fixed T = 3), and K3 of
+# mu > 10 on a few.
 SETTINGS = [(3, False, (0.5, -0.2), (0.1, 0.3), (0.0, -0.3)),
             (5, False, (-0.7, 0.4), (-0.3, 0.1), (0.2, 0.3)),
             (3, True, (0.5, -0.2, -0.8), (0.2, 0.1, -0.5), (0.0, -0.3, -1.5)),
@@ -229,8 +231,8 @@ def matches(g, known):
 
 def verdict(rows):
     """{"equals", "cos", "rel_bias"} over the rows (worst over the settings)."""
-    equals = next((name for name in KNOWN if all(name in matches(g, known) for _, g, known in rows)),
-                  None)
+    equals = next((name for name in KNOWN
+                   if all(name in matches(g, known) for _, g, known in rows)), None)
     cos, rel_bias = 1.0, 0.0
     for _, g, known in rows:
         true = known["grad KL"]

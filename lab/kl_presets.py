@@ -385,7 +385,7 @@ PRESETS = {
         f"{_TRL} trl/trainer/rloo_trainer.py ~L1526-1535, ~L1683-1694",
         "reward", "sum", "sequence-product", trl_rloo_k1,
         "K1 of the sampling-time log-probs; the policy loss weights the sequence advantage by "
-        "the full ratio exp(sum_t log pi/pi_old) (not GSPO's mean: the checker needs "
+        "the full ratio exp(sum_t log pi/pi_old) (not GSPO's mean: the checker's "
         "'sequence-product'), mean over sequences (a constant per sequence: 'sum')"),
     "nemo-k3": _preset(
         "NeMo-RL", "ClippedPGLossConfig defaults (reference_policy_kl_type=k3, penalty 0.01)",

@@ -55,8 +55,8 @@ def closed_form(name, setting, off_policy=False):
     if name == "token-level reverse KL":
         return None if eos else token_reverse_kl(setting, off_policy)
     if name == "K3-in-loss + mean K3 score":
-        # TRL's sequence-level ratio on K3 (on-policy): d/dlogp_s sum_t c K3_t = (1 - r_s) + mean_t K3_t,
-        # so E = eq. 41 + E_pi[(sum_t K3_t / T) grad log pi(y)] (READING.md)
+        # TRL's sequence-level ratio on K3 (on-policy): d/dlogp_s sum_t c K3_t = (1 - r_s) +
+        # mean_t K3_t, so E = eq. 41 + E_pi[(sum_t K3_t / T) grad log pi(y)] (READING.md)
         if eos or off_policy:
             return None
         m = test_kl.toy(T, theta, ref)
@@ -85,7 +85,8 @@ def closed_form(name, setting, off_policy=False):
 # whether a clamp acts at the far settings, and its off-policy closed form, if any)
 CLOSED = {
     "paper-k1-reward": ("grad KL", "all", False), "paper-k1-loss": ("0", "all", False),
-    "paper-k3-reward": ("K3-in-reward", "all", False), "paper-k3-loss": ("K3-in-loss", "all", False),
+    "paper-k3-reward": ("K3-in-reward", "all", False),
+    "paper-k3-loss": ("K3-in-loss", "all", False),
     "trl-grpo-k3": ("K3-in-loss", "all", False),
     "trl-grpo-k3-corrected": ("token-level reverse KL", "all", False),
     "trl-grpo-k3-corrected-sequence": ("K3-in-loss + mean K3 score", "fixed", False),
@@ -97,7 +98,8 @@ CLOSED = {
     "slime-unbiased-kl": ("token-level reverse KL", "fixed", True),
     "openrlhf-k1-reward": ("grad KL", "all", True), "openrlhf-k3-loss": ("K3-in-loss", "all", True),
     "openrlhf-unbiased-gradient": ("token-level reverse KL", "all", False),
-    "verl-k1-reward": ("grad KL", "all", False), "verl-low-var-kl-loss": ("K3-in-loss", "all", True),
+    "verl-k1-reward": ("grad KL", "all", False),
+    "verl-low-var-kl-loss": ("K3-in-loss", "all", True),
     "verl-k3plus-loss": ("token-level reverse KL", "all", False),
     "verl-k1plus-loss": ("token-level reverse KL", "all", False),
     "verl-k3plus-reward": ("K3-in-reward", "all", True), "areal-kdrl": ("0", "all", False),
@@ -106,7 +108,8 @@ CLOSED = {
     "tba-prime-k3-loss": ("0", "all", False),
 }
 # off-policy closed forms: the ratio-corrected terms are the token-level reverse KL at mu's prefixes
-# (where no clamp of the weight acts), K1 in the loss is E_mu[grad log pi(y)], K3 in the loss test_kl's
+# (where no clamp of the weight acts), K1 in the loss is E_mu[grad log pi(y)], K3 in the loss
+# test_kl's
 OFF = {"trl-grpo-k3-corrected": "token-level reverse KL", "paper-k1-loss": "0",
        "areal-kdrl": "0", "paper-k3-loss": "K3-in-loss", "trl-grpo-k3": "K3-in-loss",
        "openrlhf-unbiased-gradient": "token-level reverse KL",

@@ -262,7 +262,8 @@ def prediction_table(result):
 # ---- docs/peers.md's opening table and the claims, README.md's prediction table ------------------
 
 SHORT = {"grad KL": "grad KL", "0": "0 (eq. 13)", "K3-in-loss": "K3-in-loss (eq. 41)",
-         "K3-in-reward": "K3-in-reward (eq. 15)", "token-level reverse KL": "token-level reverse KL",
+         "K3-in-reward": "K3-in-reward (eq. 15)",
+         "token-level reverse KL": "token-level reverse KL",
          None: "none of these"}
 FAR = [name for name in check_kl.SETTING_NAMES if "far" in name]
 EOS = [name for name in check_kl.SETTING_NAMES if name.startswith("EOS")]
@@ -299,7 +300,7 @@ def plain_verdict(row):
         return "unbiased on-policy only"
     fails = failing(on)
     if fails and set(fails[1]) <= set(FAR + EOS):
-        # a setting that fails: an EOS-ended one (near) is 1/T_y's; the fixed-length far one a clamp's
+        # a failing setting: a near EOS-ended one is 1/T_y's; the fixed-length far one a clamp's
         causes = []
         if set(fails[1]) & (set(EOS) - set(FAR)):
             causes.append("1/T_y at EOS-ended lengths")

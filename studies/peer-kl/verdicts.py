@@ -346,7 +346,7 @@ def peers_table(result):
 CLAIMS = [
     ("trl-grpo-k3-corrected", "TRL PR #6503 (the 1.10 default)",
      "multiplying the KL term by the importance-sampling ratio recovers the correct unbiased "
-     "reverse-KL gradient ... a no-op on-policy"),
+     "reverse-KL gradient ... The correction is a no-op on-policy (ratio=1)"),
     ("slime-unbiased-kl", "slime PR #1004 (`--use-unbiased-kl`)",
      "this adjustment makes the gradient of the KL estimator unbiased"),
     ("openrlhf-unbiased-gradient", "OpenRLHF PR #1309 (`--algo.kl.unbiased_gradient`)",
@@ -362,6 +362,10 @@ CLAIMS = [
 ]
 
 
+# a claim's preset against the same library's configuration without the flag
+VERSUS = {"trl-grpo-k3-corrected": "trl-grpo-k3"}  # its "no-op on-policy"
+
+
 def claims(result):
     """docs/peers.md's claims, each against its preset's exact verdict and SmolLM2's."""
     rows = {row["id"]: row for row in result["rows"]}
@@ -374,7 +378,12 @@ def claims(result):
         if row["smollm2"]:
             text += (f"; on SmolLM2 (step 20, the same expectation as {row['smollm2']['row']}) "
                      f"cos {smollm2_figures(row).replace('; ', ', relative bias ')}")
-        lines.append(text + ". Not grad KL.")
+        text += ". Not grad KL"
+        if preset_id in VERSUS:  # what the flag changed
+            other = rows[VERSUS[preset_id]]["on_policy"]
+            text += (f"; without the correction (`{VERSUS[preset_id]}`) on-policy: "
+                     f"{regime_cell(other)}: on-policy it is no no-op")
+        lines.append(text + ".")
     return "\n".join(lines)
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from advantage import group_mean, group_normalized, policy_loss, rloo, truncated_is_loss
 import kl as kl_module
 from kl import KINDS, PLACES, estimate, kl_loss, kl_to_go, off_policy_kl_loss, shape_rewards
+from toy import toy_with_eos  # the toy model with an end-of-sequence token
 
 f64 = torch.float64
 TOL = 1e-9
@@ -167,37 +168,10 @@ def test_estimate_values_and_k3_stability():
 
 # ---- variable lengths: the toy model with an end-of-sequence token -------------------------------
 
-EOS = 2  # token code; 0 and 1 are the toy's binary tokens
 # (T, (a, b, e) of the policy, (a~, b~, e~) of the reference, beta)
 EOS_CASES = [(1, (0.3, 0.0, -1.0), (-0.4, 0.0, 0.5), 1.0),
              (3, (0.5, -0.2, -0.8), (0.0, -0.3, -1.5), 0.1),
              (5, (-0.7, 0.4, -1.2), (0.2, 0.3, -0.6), 0.5)]
-
-
-def toy_with_eos(T, theta, ref):
-    """Every response of the toy model with a stop token: at each step EOS with probability
-    sigmoid(e), else y_t ~ Bernoulli(sigmoid(a + b c_{t-1})) (eq. 17). A response ends with its EOS
-    (a token of the response, as in train.py's response_mask) or at T tokens: sum_{k<T} 2^k + 2^T
-    responses, padded to T."""
-    rows = [[*bits, EOS] for k in range(T) for bits in itertools.product([0, 1], repeat=k)]
-    rows += [list(bits) for bits in itertools.product([0, 1], repeat=T)]
-    tokens = torch.tensor([row + [0] * (T - len(row)) for row in rows], dtype=f64)
-    mask = torch.tensor([[1.0] * len(row) + [0.0] * (T - len(row)) for row in rows], dtype=f64)
-    y = (tokens == 1).double()
-    c = y.cumsum(-1) - y  # c_{t-1}
-    params = [torch.tensor(v, dtype=f64, requires_grad=True) for v in theta]
-
-    def next_token_logp(a, b, e):
-        """(responses, T, 3): log P(token v | prefix) for v = 0, 1, EOS at every position."""
-        z = a + b * c
-        keep = F.logsigmoid(-torch.as_tensor(e, dtype=f64))
-        return torch.stack([keep + F.logsigmoid(-z), keep + F.logsigmoid(z),
-                            F.logsigmoid(torch.as_tensor(e, dtype=f64)).expand_as(z)], -1)
-
-    dist, ref_dist = next_token_logp(*params), next_token_logp(*ref)
-    pick = lambda d: d.gather(-1, tokens.long()[..., None])[..., 0] * mask  # noqa: E731
-    return dict(params=params, mask=mask, dist=dist, ref_dist=ref_dist, logp=pick(dist),
-                ref_logp=pick(ref_dist))
 
 
 def eos_references(m):

@@ -19,6 +19,7 @@ Binary sequences y_1..y_T from p_t = sigmoid(a + b c_{t-1}), c_{t-1} = y_1 + ...
 """
 
 import argparse
+import itertools
 import json
 import math
 import pathlib
@@ -93,6 +94,37 @@ def training_loss(logp, ref_logp, scores, kind, place, beta, weight, num_tokens)
     returns = shape_rewards(scores, logp, ref_logp, mask, kind, place, beta)
     pg_loss, _ = policy_loss(logp, logp.detach(), returns, weight * mask, num_tokens)
     return pg_loss + kl_loss(logp, ref_logp, weight * mask, kind, place, beta, num_tokens)
+
+
+# ---- variable lengths: the toy model with an end-of-sequence token (test_kl.py, lab/check_kl.py)
+
+EOS = 2  # token code of the stop token; 0 and 1 are the toy's binary tokens
+
+
+def toy_with_eos(T, theta, ref):
+    """Every response of the toy model with a stop token: at each step EOS with probability
+    sigmoid(e), else y_t ~ Bernoulli(sigmoid(a + b c_{t-1})) (eq. 17). A response ends with its EOS
+    (a token of the response, as in train.py's response_mask) or at T tokens: sum_{k<T} 2^k + 2^T
+    responses, padded to T."""
+    rows = [[*bits, EOS] for k in range(T) for bits in itertools.product([0, 1], repeat=k)]
+    rows += [list(bits) for bits in itertools.product([0, 1], repeat=T)]
+    tokens = torch.tensor([row + [0] * (T - len(row)) for row in rows], dtype=f64)
+    mask = torch.tensor([[1.0] * len(row) + [0.0] * (T - len(row)) for row in rows], dtype=f64)
+    y = (tokens == 1).double()
+    c = y.cumsum(-1) - y  # c_{t-1}
+    params = [torch.tensor(v, dtype=f64, requires_grad=True) for v in theta]
+
+    def next_token_logp(a, b, e):
+        """(responses, T, 3): log P(token v | prefix) for v = 0, 1, EOS at every position."""
+        z = a + b * c
+        keep = F.logsigmoid(-torch.as_tensor(e, dtype=f64))
+        return torch.stack([keep + F.logsigmoid(-z), keep + F.logsigmoid(z),
+                            F.logsigmoid(torch.as_tensor(e, dtype=f64)).expand_as(z)], -1)
+
+    dist, ref_dist = next_token_logp(*params), next_token_logp(*ref)
+    pick = lambda d: d.gather(-1, tokens.long()[..., None])[..., 0] * mask  # noqa: E731
+    return dict(params=params, mask=mask, dist=dist, ref_dist=ref_dist, logp=pick(dist),
+                ref_logp=pick(ref_dist))
 
 
 def figure1(lengths, trials, samples, seed, chunk=50):

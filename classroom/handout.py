@@ -12,8 +12,9 @@ from classroom.manifest import BY_ID, EXERCISES
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # Left out of every handout: the project's own tests (their references are the answer key), its
-# results, documents that print solution lines, CI, and the instructor's side of classroom/.
-DROP = [r"test_[^/]*\.py", r"tests/.*", r"assets/.*", r"studies/.*",
+# results, documents that print solution lines, CI, and the instructor's side of classroom/;
+# lab/kl_presets.py writes the peers' estimators out (E1's lines; check_kl runs without it).
+DROP = [r"test_[^/]*\.py", r"tests/.*", r"assets/.*", r"studies/.*", r"lab/kl_presets\.py",
         r"docs/.*", r"\.ci/.*", r"README\.md", r"classroom/README\.md", r"classroom/handout\.py",
         r"classroom/bugs\.py", r"classroom/STUDENT\.md", r"classroom/autograder\.py"]
 MIN_LEAK = 20  # a blanked line of at least this many characters must appear nowhere in a handout

@@ -169,13 +169,21 @@ def files_of(exercise_id):
     return sorted({file for file, _ in exercise.functions}) or ["experiment/"]
 
 
-def give_to(path, user):
-    """Make the sandbox the child's own (it runs as `user`, e.g. nobody, when we are root)."""
+def give_to(sandbox, user):
+    """Make the sandbox the child's own (it runs as `user`, e.g. nobody, when we are root), and the
+    way to it traversable by that user: the sandbox's temporary folder, which holds nothing else,
+    opened for traversal only (0711), and every folder above it (the system's: /tmp) checked."""
     if user is None:
         return
-    os.chmod(path.parent, 0o711)
-    for item in [path, *path.rglob("*")]:
+    os.chmod(sandbox.parent, 0o711)
+    for item in [sandbox, *sandbox.rglob("*")]:
         os.chown(item, *user, follow_symlinks=False)
+    for folder in sandbox.parent.parents:
+        status = os.stat(folder)
+        bit = 0o100 if status.st_uid == user[0] else 0o010 if status.st_gid == user[1] else 0o001
+        if not status.st_mode & bit:
+            raise SystemExit(f"the child's user cannot reach the sandbox: {folder} is closed to "
+                             "it (set TMPDIR to a folder it can traverse, as /tmp)")
 
 
 def grade(root, exercises, seed, hidden, submission=None, base=None, child_user=None):
@@ -187,7 +195,8 @@ def grade(root, exercises, seed, hidden, submission=None, base=None, child_user=
     for exercise_id in exercises:  # import every check (and transformers) before any child runs
         checks_of(exercise_id)
     received = {}
-    with tempfile.TemporaryDirectory(prefix="classroom-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="classroom-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="classroom-sandbox-") as outer:
         user = None
         if hidden:
             if base is None:
@@ -195,8 +204,7 @@ def grade(root, exercises, seed, hidden, submission=None, base=None, child_user=
 
                 base = handout.make(pathlib.Path(tmp) / "base", exercises, git=False)
                 shutil.rmtree(base / "classroom")  # the grader is no file a child can find
-            root = pathlib.Path(tmp) / "work" / "sandbox"
-            root.parent.mkdir()
+            root = pathlib.Path(outer) / "sandbox"
             build_sandbox(root, base, submission, exercises, received)
             user = children.sandbox_user(child_user)
             give_to(root, user)

@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -500,52 +501,106 @@ GRADESCOPE_TEST_KEYS = {"name", "score", "max_score", "output", "visibility", "s
                         "number", "extra_data", "output_format", "name_format"}
 
 
-def child_user():
-    """`nobody`, as on Gradescope, where this Python can run as nobody (as root, with a Python
-    nobody can read); else "" (the grader's own user)."""
+ZIP_SEED = 987654321  # the autograder zip's secret: no output may print it
+
+
+def untraversable_ancestor(path):
+    """The topmost folder above `path` that other users cannot traverse (no o+x), or None."""
+    path = pathlib.Path(os.path.realpath(path))
+    return next((p for p in reversed(path.parents) if not os.stat(p).st_mode & 0o001), None)
+
+
+def where_nobody_runs_python(argv):
+    """argv, run as root where `nobody` can run this Python (else a skip). Where the Python lives
+    below a folder nobody cannot traverse (here pyenv's, below /root of mode 0700), the command
+    runs in a private mount namespace (unshare -m) in which a tmpfs of mode 0755 covers that
+    folder, with the Python's folders, the repository and the temporary folder bound back into it:
+    nothing changes outside the namespace, and the grader in it switches users as on Gradescope."""
     if os.geteuid() != 0:
-        return ""
+        pytest.skip("running a child as nobody needs a root grader")
     try:
-        probe = subprocess.run([sys.executable, "-I", "-c", "import torch"], user="nobody",
-                               cwd="/", capture_output=True)
-    except OSError:  # this Python cannot be run by nobody (it lives under /root, say)
-        return ""
-    return "nobody" if probe.returncode == 0 else ""
+        import pwd
+
+        pwd.getpwnam("nobody")
+    except KeyError:
+        pytest.skip("no user nobody")
+    prefixes = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}
+    hidden = min(filter(None, map(untraversable_ancestor, prefixes)), default=None,
+                 key=lambda path: len(path.parts))
+    if hidden is None:
+        return list(argv)
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-m", "true"]).returncode:
+        pytest.skip(f"nobody cannot reach this Python ({hidden}) and unshare -m is refused")
+    keep = {p for p in prefixes | {str(ROOT), tempfile.gettempdir()}
+            if pathlib.Path(p).is_relative_to(hidden)}
+    keep = sorted(p for p in keep if not any(p != q and pathlib.Path(p).is_relative_to(q)
+                                             for q in keep))
+    q = shlex.quote
+    script = ["set -e"]
+    script += [f"s{i}=$(mktemp -d); mount --bind {q(p)} $s{i}" for i, p in enumerate(keep)]
+    script += [f"mount -t tmpfs -o mode=0755 tmpfs {q(str(hidden))}"]
+    script += [f"mkdir -p {q(p)}; mount --move $s{i} {q(p)}; rmdir $s{i}"
+               for i, p in enumerate(keep)]
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c",
+            "\n".join(script + ['exec "$@"']), "sh", *argv]
 
 
-def test_the_autograder_zip_runs_end_to_end(tmp_path):
-    """`python -m classroom autograder` builds the zip; its run_autograder grades a fake
-    /autograder tree's submission and writes Gradescope's results.json."""
-    zip_path = tmp_path / "autograder.zip"
+@pytest.fixture(scope="module")
+def autograder_zip(tmp_path_factory):
+    zip_path = tmp_path_factory.mktemp("autograder") / "autograder.zip"
     proc = subprocess.run([sys.executable, "-m", "classroom", "autograder", str(zip_path),
-                           "--exercises", "E1,E4", "--seed", str(SECRET)], cwd=ROOT,
+                           "--exercises", "E1,E4", "--seed", str(ZIP_SEED)], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    tree = tmp_path / "autograder"
+    return zip_path
+
+
+def run_autograder(zip_path, tree, files):
+    """Unpack the autograder into a fake /autograder tree, put `files` ({path: text}) in its
+    submission and run its run_autograder as root, the children as nobody, as on Gradescope:
+    (results.json, the run's output)."""
     with zipfile.ZipFile(zip_path) as archive:
-        names = archive.namelist()
         archive.extractall(tree / "source")
-    assert {"setup.sh", "run_autograder", "assignment.json", "classroom/grade.py",
-            "base/kl.py"} <= set(names)
-    assert not [n for n in names if n.startswith("base/classroom") or "bugs.py" in n]
-    (tree / "submission" / "hw").mkdir(parents=True)  # a zipped folder, kl.py only
-    shutil.copyfile(ROOT / "kl.py", tree / "submission" / "hw" / "kl.py")
+    (tree / "submission").mkdir(parents=True)
+    for name, text in files.items():
+        (tree / "submission" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / "submission" / name).write_text(text)
     env = {**os.environ, "AUTOGRADER_ROOT": str(tree), "PYTHON": sys.executable,
-           "CLASSROOM_CHILD_USER": child_user()}
-    run = subprocess.run(["bash", str(tree / "source" / "run_autograder")], env=env,
-                         capture_output=True, text=True)
+           "CLASSROOM_CHILD_USER": "nobody"}
+    run = subprocess.run(where_nobody_runs_python(["bash", str(tree / "source/run_autograder")]),
+                         env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = json.loads((tree / "results" / "results.json").read_text())
     assert isinstance(results["score"], (int, float)) and isinstance(results["tests"], list)
     for t in results["tests"]:
         assert set(t) <= GRADESCOPE_TEST_KEYS and isinstance(t["name"], str)
         assert 0 <= t["score"] <= t["max_score"] and t["visibility"] in (
             "visible", "hidden", "after_due_date", "after_published")
-    scores, _ = scores_of(tree / "results" / "results.json")
-    assert full(scores, "E1") and scores["E4"][0] == 0, run.stdout[-3000:]
+    assert "grader stopped" not in results["output"], results["output"]
+    return results, run.stdout
+
+
+def test_the_autograder_zip_runs_end_to_end(autograder_zip, tmp_path):
+    """`python -m classroom autograder` builds the zip; its run_autograder grades a fake
+    /autograder tree's submission as Gradescope does (root, submitted code as nobody) and writes
+    Gradescope's results.json: kl.py alone scores E1's full marks, an empty upload 0."""
+    names = zipfile.ZipFile(autograder_zip).namelist()
+    assert {"setup.sh", "run_autograder", "assignment.json", "classroom/grade.py",
+            "base/kl.py"} <= set(names)
+    assert not [n for n in names if n.startswith("base/classroom") or "bugs.py" in n]
+    # a zipped folder, kl.py only
+    results, stdout = run_autograder(autograder_zip, tmp_path / "full",
+                                     {"hw/kl.py": (ROOT / "kl.py").read_text()})
+    scores, _ = scores_of(tmp_path / "full" / "results" / "results.json")
+    assert full(scores, "E1") and scores["E4"][0] == 0, stdout[-3000:]
     assert results["score"] == 6
     files = {t["name"]: t["output"] for t in results["tests"] if t["name"].endswith("files")}
     assert "kl.py received" in files["E1 files"]
     assert "advantage.py not submitted" in files["E4 files"]
+    results, stdout = run_autograder(autograder_zip, tmp_path / "empty", {})
+    assert results["score"] == 0 and len(results["tests"]) > 2, stdout[-3000:]
+    files = {t["name"]: t["output"] for t in results["tests"] if t["name"].endswith("files")}
+    assert files == {"E1 files": "kl.py not submitted", "E4 files": "advantage.py not submitted"}
 
 
 def test_manifest_and_code_agree():
@@ -565,3 +620,17 @@ def test_manifest_and_code_agree():
         for _, name in checks_of(exercise).PATCH:
             assert order.index(owner[name]) < order.index(exercise), (exercise, name)
     assert {b[0] for b in BUGS} >= {e.id for e in EXERCISES if e.functions}
+
+
+def test_a_sandbox_the_child_cannot_reach_is_refused(tmp_path):
+    """A sandbox below a folder closed to the child's user (TMPDIR in root's home, say): one line
+    that names the folder, before any child fails to import."""
+    if os.geteuid() != 0:
+        pytest.skip("giving the sandbox to nobody needs root")
+    from classroom.grade import give_to
+
+    closed = tmp_path / "closed"
+    (closed / "tmp" / "sandbox").mkdir(parents=True)
+    closed.chmod(0o700)
+    with pytest.raises(SystemExit, match=f"{closed} is closed to it"):
+        give_to(closed / "tmp" / "sandbox", (65534, 65534))

@@ -253,7 +253,7 @@ def print_report(rows, tests, hidden, seed, received, verbose=False):
             for message in t["messages"] if verbose else t["messages"][:6]:
                 print("  " + message.replace("\n", "\n    "))
     if hidden:
-        print(f"\nThese are the hidden tests (seed {seed}).")
+        print("\nThese are the hidden tests" + (f" (seed {seed})." if seed is not None else "."))
     else:
         print("\nThese are the PUBLIC tests only. Your grade comes from hidden tests with other "
               "parameters (lengths, parameters, masks, dtypes, seeds), and E8's written answer "
@@ -287,10 +287,32 @@ def gradescope(rows, tests, hidden, received, exercises):
             "tests": entries}
 
 
+def secret_seed(args):
+    """The hidden seed, from --seed or --seed-file. Every user can read a command line (through
+    /proc), so a child of another user is kept from the seed only by a file it cannot read."""
+    if (args.seed is None) == (args.seed_file is None):
+        raise SystemExit("--hidden needs --seed SECRET_INT or --seed-file PATH (one of them)")
+    if args.seed_file is None:
+        if getattr(args, "child_user", None):
+            raise SystemExit("--child-user: give the seed with --seed-file (the child's user can "
+                             "read the grader's command line)")
+        return args.seed
+    path = pathlib.Path(args.seed_file)
+    try:
+        text = path.read_text().strip()
+        readable_by_others = path.stat().st_mode & 0o044
+    except OSError as error:
+        raise SystemExit(f"--seed-file {path}: {error.strerror}") from None
+    if getattr(args, "child_user", None) and readable_by_others:
+        raise SystemExit(f"--seed-file {path}: other users can read it (chmod 600 it)")
+    if not re.fullmatch(r"-?\d+", text):
+        raise SystemExit(f"--seed-file {path}: not an integer")
+    return int(text)
+
+
 def main(args):
     if args.hidden:
-        if args.seed is None:
-            raise SystemExit("--hidden needs --seed SECRET_INT (the instructor's secret integer)")
+        args.seed = secret_seed(args)
         submission = pathlib.Path(args.submission or ".").resolve()
         if not submission.is_dir():
             raise SystemExit(f"--submission {submission}: no such directory")
@@ -322,7 +344,8 @@ def main(args):
     tests, received = grade(root, exercises, seed, args.hidden, submission, base,
                             getattr(args, "child_user", None))
     rows = summarize(tests, exercises)
-    print_report(rows, tests, args.hidden, seed, received, args.verbose)
+    print_report(rows, tests, args.hidden, None if args.seed_file else seed, received,
+                 args.verbose)
     if not args.hidden:  # the public grader is importable here, never in hidden grading
         for file in sorted({f for e in exercises for f in files_of(e) if not f.endswith("/")}):
             if re.search(r"\b(classroom|standins)\b", (root / file).read_text(errors="replace")):

@@ -603,6 +603,40 @@ def test_the_autograder_zip_runs_end_to_end(autograder_zip, tmp_path):
     assert files == {"E1 files": "kl.py not submitted", "E4 files": "advantage.py not submitted"}
 
 
+LEAK = """
+import os
+
+
+def _ancestors():
+    \"\"\"The command line and environment of every ancestor this user can read.\"\"\"
+    seen, pid = [], "self"
+    while pid != "1":
+        pid = open(f"/proc/{pid}/status").read().split("PPid:")[1].split()[0]
+        for name in ("cmdline", "environ"):
+            try:
+                seen.append(open(f"/proc/{pid}/{name}", "rb").read().decode(errors="replace"))
+            except OSError as error:
+                seen.append(f"{name} of {pid}: {error.strerror}")
+    return [text.replace("\\0", " ") for text in seen]
+
+
+_seen = _ancestors()
+_near_seed = [text[i:i + 40] for text in _seen for i in range(len(text))
+              if text[i:i + 4].lower() == "seed"]
+raise ImportError("parent: " + _seen[0][:60] + " | " + " | ".join(_near_seed))
+"""
+
+
+def test_a_submission_cannot_read_the_seed(autograder_zip, tmp_path):
+    """kl.py that raises at import an ImportError of what it finds near 'seed' in its ancestors'
+    command lines and environments (the grader's among them), which the visible "E1 files" entry
+    prints: it reads the grader's command line, and no output holds the seed."""
+    results, stdout = run_autograder(autograder_zip, tmp_path / "leak", {"kl.py": LEAK})
+    files = next(t["output"] for t in results["tests"] if t["name"] == "E1 files")
+    assert "ImportError: parent: " in files and "classroom grade" in files, files
+    assert str(ZIP_SEED) not in json.dumps(results), files
+
+
 def test_manifest_and_code_agree():
     checks = {p.name for p in (ROOT / "classroom" / "checks").glob("e*_*.py")}
     for exercise in EXERCISES:
@@ -634,3 +668,28 @@ def test_a_sandbox_the_child_cannot_reach_is_refused(tmp_path):
     closed.chmod(0o700)
     with pytest.raises(SystemExit, match=f"{closed} is closed to it"):
         give_to(closed / "tmp" / "sandbox", (65534, 65534))
+
+
+def test_the_seed_reaches_the_grader_by_a_file_only(tmp_path):
+    """With a child of another user, the seed comes from a file only the grader can read: on a
+    command line, or in a file others can read, it is refused in one line."""
+    from argparse import Namespace
+
+    from classroom.grade import secret_seed
+
+    seed = tmp_path / "seed"
+    seed.write_text(f"{ZIP_SEED}\n")
+    seed.chmod(0o600)
+    args = dict(seed=None, seed_file=str(seed), child_user="nobody")
+    assert secret_seed(Namespace(**args)) == ZIP_SEED
+    assert secret_seed(Namespace(**{**args, "seed": 5, "seed_file": None, "child_user": ""})) == 5
+    with pytest.raises(SystemExit, match="give the seed with --seed-file"):
+        secret_seed(Namespace(**{**args, "seed": 5, "seed_file": None}))
+    seed.chmod(0o644)
+    with pytest.raises(SystemExit, match="other users can read it"):
+        secret_seed(Namespace(**args))
+    seed.write_text("twelve")
+    with pytest.raises(SystemExit, match="not an integer"):
+        secret_seed(Namespace(**{**args, "child_user": None}))
+    with pytest.raises(SystemExit, match="one of them"):
+        secret_seed(Namespace(**{**args, "seed": 5}))

@@ -17,8 +17,8 @@ import zipfile
 
 from classroom import handout
 
-GRADER = ["__init__.py", "__main__.py", "manifest.py", "grade.py", "child.py", "probes.py",
-          "harness.py", "standins.py", "reference.py", "checks/*.py"]
+GRADER = ["__init__.py", "__main__.py", "manifest.py", "grade.py", "child.py", "launch.py",
+          "probes.py", "harness.py", "standins.py", "reference.py", "checks/*.py"]
 
 SETUP = """#!/usr/bin/env bash
 # Gradescope runs this once when the autograder is built: Python, torch (CPU), the requirements.

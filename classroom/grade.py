@@ -220,6 +220,8 @@ def grade(root, exercises, seed, hidden, submission=None, base=None, child_user=
                 for e in [e for e, future in running.items() if future in finished]:
                     tests += running.pop(e).result()
                     done.add(e)
+        if user and user[0] in children.UNCONFINED:  # no PID namespace held its processes
+            children.kill_user(user[0])
     order = {e: i for i, e in enumerate(exercises)}
     return sorted(tests, key=lambda t: order[t["exercise"]]), received
 

@@ -607,34 +607,174 @@ LEAK = """
 import os
 
 
-def _ancestors():
-    \"\"\"The command line and environment of every ancestor this user can read.\"\"\"
-    seen, pid = [], "self"
+def _ancestors(name):
+    \"\"\"The NUL-separated entries of /proc/PID/name of every ancestor this user can read.\"\"\"
+    entries, pid = [], "self"
     while pid != "1":
         pid = open(f"/proc/{pid}/status").read().split("PPid:")[1].split()[0]
-        for name in ("cmdline", "environ"):
-            try:
-                seen.append(open(f"/proc/{pid}/{name}", "rb").read().decode(errors="replace"))
-            except OSError as error:
-                seen.append(f"{name} of {pid}: {error.strerror}")
-    return [text.replace("\\0", " ") for text in seen]
+        try:
+            text = open(f"/proc/{pid}/{name}", "rb").read().decode(errors="replace")
+            entries += text.split("\\0")
+        except OSError:
+            pass
+    return entries
 
 
-_seen = _ancestors()
-_near_seed = [text[i:i + 40] for text in _seen for i in range(len(text))
-              if text[i:i + 4].lower() == "seed"]
-raise ImportError("parent: " + _seen[0][:60] + " | " + " | ".join(_near_seed))
+_args, _environ = _ancestors("cmdline"), _ancestors("environ")
+_near_seed = [" ".join(_args[i:i + 2]) for i, arg in enumerate(_args)
+              if "seed" in arg.lower() and len(arg) < 40]
+_near_seed += [entry for entry in _environ if "seed" in entry.lower()]
+raise ImportError("found: " + " | ".join(_near_seed))
 """
 
 
 def test_a_submission_cannot_read_the_seed(autograder_zip, tmp_path):
     """kl.py that raises at import an ImportError of what it finds near 'seed' in its ancestors'
     command lines and environments (the grader's among them), which the visible "E1 files" entry
-    prints: it reads the grader's command line, and no output holds the seed."""
+    prints: it finds the grader's command line, and no output holds the seed."""
     results, stdout = run_autograder(autograder_zip, tmp_path / "leak", {"kl.py": LEAK})
     files = next(t["output"] for t in results["tests"] if t["name"] == "E1 files")
-    assert "ImportError: parent: " in files and "classroom grade" in files, files
+    assert "ImportError: found: --seed-file seed" in files, files
     assert str(ZIP_SEED) not in json.dumps(results), files
+
+
+STRAYS = """
+# _MARK (in each stray's command line), _SEEN (a folder every user may write), _RESULTS: above
+import os as _os, resource as _resource, sys as _sys, time as _time
+
+_CHAIN = '''n=$1
+if [ "$n" -gt 0 ]; then
+    sh "$0" $((n - 1))
+    exit
+fi
+echo deep >> %(seen)s/chain
+while :; do
+    [ -s %(results)s ] && echo '{"score": 999}' > %(results)s
+    sleep 0.2
+done
+'''
+_BOMB = '''import os, time
+while True:  # each process forks again and again, the new ones too, as far as RLIMIT_NPROC lets
+    try:
+        if os.fork() == 0:
+            open("%(seen)s/bomb", "a").write("forked\\\\n")
+    except OSError:
+        time.sleep(0.1)
+'''
+
+
+def _start(argv, nproc=None):
+    \"\"\"argv in a session of its own, forked from this child.\"\"\"
+    if _os.fork() == 0:
+        _os.setsid()
+        if nproc:
+            _resource.setrlimit(_resource.RLIMIT_NPROC, (nproc, nproc))
+        _os.execv(argv[0], argv)
+
+
+def _tasks_of_mine():
+    mine = 0
+    for task in __import__("glob").glob("/proc/[0-9]*/task/[0-9]*"):
+        try:
+            mine += _os.stat(task).st_uid == _os.getuid()
+        except OSError:
+            pass
+    return mine
+
+
+def _lines(name):
+    try:
+        return len(open(f"{_SEEN}/{name}").readlines())
+    except OSError:
+        return 0
+
+
+for _name, _text in (("chain.sh", _CHAIN), ("bomb.py", _BOMB)):
+    with open(f"{_MARK}-{_name}", "w") as _file:
+        _file.write(_text % {"seen": _SEEN, "results": _RESULTS})
+
+
+def _wait_for(name, lines):
+    deadline = _time.monotonic() + 30
+    while _lines(name) < lines:
+        assert _time.monotonic() < deadline, f"the strays did not start ({name})"
+        _time.sleep(0.05)
+
+
+_start(["/bin/sh", f"{_MARK}-chain.sh", "300"])
+_start([_sys.executable, "-I", "-S", "-c", "import sys, time; open(sys.argv[1] + '/sleeper', "
+        "'w').write('sleeping'); time.sleep(1000)", _SEEN, _MARK])
+_wait_for("chain", 1)
+_wait_for("sleeper", 1)
+_start([_sys.executable, "-I", "-S", f"{_MARK}-bomb.py"], nproc=_tasks_of_mine() + 40)
+_wait_for("bomb", 16)
+"""
+
+
+def processes_with(mark):
+    found = []
+    for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if mark.encode() in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("mode", ["nobody", "nobody-without-namespaces", "own-user"])
+def test_no_process_of_a_submission_outlives_its_exercise(mode):
+    """kl.py (the solution) starting at import, each in a session of its own: a chain of 300
+    nested shells whose innermost rewrites the results file once it exists, a fork bomb bounded
+    by RLIMIT_NPROC and a sleeper. None is left when the grader returns, and the results stay as
+    written: as root with nobody's children (each in a PID namespace of its own), as root without
+    CAP_SYS_ADMIN as in Gradescope's containers (namespaces refused: every process of nobody's
+    killed at the end), and as a grader whose children are its own user's (nobody's here, so that
+    RLIMIT_NPROC bounds the bomb; every descendant killed, pass after pass)."""
+    import pwd
+
+    mark = f"stray{os.getpid()}x{time.time_ns()}"
+    seen = pathlib.Path(tempfile.mkdtemp(prefix="strays-"))
+    try:
+        seen.chmod(0o777)
+        results = seen / "results.json"
+        (seen / "upload").mkdir()
+        (seen / "upload" / "kl.py").write_text(
+            (ROOT / "kl.py").read_text()
+            + f"\n_MARK, _SEEN, _RESULTS = {mark!r}, {str(seen)!r}, {str(results)!r}" + STRAYS)
+        base = handout.make(seen / "base", ["E1"], git=False)
+        shutil.rmtree(base / "classroom")
+        nobody = pwd.getpwnam("nobody")
+        (seen / "seed").write_text(f"{SECRET}\n")
+        (seen / "seed").chmod(0o600)
+        grader = [sys.executable, "-m", "classroom", "grade", "--hidden", "--seed-file",
+                  str(seen / "seed"), "--assignment", "E1", "--base", str(base), "--submission",
+                  str(seen / "upload"), "--json", str(results)]
+        if mode == "own-user":
+            os.chown(seen / "seed", nobody.pw_uid, nobody.pw_gid)
+            grader = ["setpriv", "--reuid", str(nobody.pw_uid), "--regid", str(nobody.pw_gid),
+                      "--clear-groups", *grader]
+        else:
+            grader += ["--child-user", "nobody"]
+        if mode == "nobody-without-namespaces":
+            grader = ["setpriv", "--bounding-set", "-sys_admin", *grader]
+        proc = subprocess.run(where_nobody_runs_python(grader), cwd=ROOT, capture_output=True,
+                              text=True, env={**os.environ, "HOME": str(seen)})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        written = results.read_bytes()
+        assert full(scores_of(results)[0], "E1"), proc.stdout[-3000:]
+        assert [(seen / name).exists() for name in ("chain", "bomb", "sleeper")] == [True] * 3
+        assert processes_with(mark) == []
+        time.sleep(3)  # a stray, if one were left, would rewrite the results by now
+        assert processes_with(mark) == [] and results.read_bytes() == written
+    finally:
+        while processes_with(mark):
+            for pid in processes_with(mark):
+                try:
+                    os.kill(pid, 9)
+                except OSError:
+                    pass
+        shutil.rmtree(seen, ignore_errors=True)
 
 
 def test_manifest_and_code_agree():

@@ -151,13 +151,18 @@ def start(sandbox, others, own, patch, user=None, hidden=False):
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "LANG": "C.UTF-8", **home}
     uid, gid = user or (-1, -1)
+    confined, report = os.pipe()  # the launcher says there whether a PID namespace holds the child
     with LOCK:  # not taken for a stray by another exercise's kill_strays
         proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", LAUNCH, str(uid), str(gid),
-                                 sys.executable, "-I", "-c", PROBES, str(write_end)],
+                                 str(report), sys.executable, "-I", "-c", PROBES, str(write_end)],
                                 cwd=sandbox, env=env, stdin=subprocess.PIPE, stdout=log,
-                                stderr=log, pass_fds=(write_end,), start_new_session=True)
+                                stderr=log, pass_fds=(write_end, report), start_new_session=True)
         LIVE.add(proc.pid)
     os.close(write_end)
+    os.close(report)
+    if os.read(confined, 1) != b"1" and user:
+        UNCONFINED.add(uid)
+    os.close(confined)
     child = {"proc": proc, "answers": read_end, "buffer": b"", "log": log, "next_id": 0}
     setup = {"others": others, "own": own, "patch": patch, "standins": STANDINS if patch else ""}
     try:
@@ -168,17 +173,7 @@ def start(sandbox, others, own, patch, user=None, hidden=False):
         stop(child)
         raise Failed(f"the submission could not be loaded: {error}") from None
     child["import_errors"] = ready.get("import_errors") or {}
-    if user and not in_own_namespace(proc.pid):
-        UNCONFINED.add(uid)
     return child
-
-
-def in_own_namespace(pid):
-    """Whether process `pid` (a launcher) started its child in a PID namespace other than ours."""
-    try:
-        return os.readlink(f"/proc/{pid}/ns/pid_for_children") != os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return False
 
 
 def read_answer(child, seconds):

@@ -1,5 +1,6 @@
 """python -m classroom handout OUT [--exercises E1,E3]  |  python -m classroom grade [E3] [-v]
-[--hidden --seed SECRET_INT --submission DIR [--assignment E1,E3]] [--json PATH]  |
+[--hidden --seed SECRET_INT | --seed-file PATH --submission DIR [--assignment E1,E3]]
+[--json PATH]  |
 python -m classroom autograder OUT.zip --exercises E1,E3 --seed SECRET_INT"""
 import argparse
 import pathlib
@@ -25,6 +26,9 @@ def main(argv=None):
                        help="instructor: grade --submission with the hidden cases of --seed")
     grade.add_argument("--seed", type=int,
                        help="the instructor's secret seed, an integer (with --hidden)")
+    grade.add_argument("--seed-file",
+                       help="a file holding the secret seed: unlike a command line, which every "
+                            "user can read, a file only you can read (needed with --child-user)")
     grade.add_argument("--submission", help="the student's files or handout (with --hidden)")
     grade.add_argument("--assignment", help="the assignment's exercises, e.g. E1,E2,E4 (with "
                                             "--hidden; default: the submission's .classroom, "

@@ -3,10 +3,12 @@ an assignment, one zip. Gradescope unpacks it to /autograder/source, runs setup.
 run_autograder for each submission (as root), which grades /autograder/submission with the hidden
 cases of S and writes /autograder/results/results.json. Inside: setup.sh, run_autograder, the grader
 (classroom/ without the instructor's files), a blank handout of the assignment (base/, the sandbox's
-project files), requirements.txt and assignment.json (exercises, seed). run_autograder makes the
-grader unreadable to others and runs submitted code as `nobody`. AUTOGRADER_ROOT (default
-/autograder) moves the tree, PYTHON picks the interpreter and CLASSROOM_CHILD_USER the child's user
-(empty: the grader's own), so the zip can be tried on any machine (tests/test_classroom.py does)."""
+project files), requirements.txt, assignment.json (the exercises) and seed (the secret).
+run_autograder makes the grader unreadable to others, gives it the seed in that file (never on a
+command line: every user can read those) and runs submitted code as `nobody`. AUTOGRADER_ROOT
+(default /autograder) moves the tree, PYTHON picks the interpreter and CLASSROOM_CHILD_USER the
+child's user (empty: the grader's own), so the zip can be tried on any machine
+(tests/test_classroom.py does)."""
 import json
 import pathlib
 import shutil
@@ -15,8 +17,8 @@ import zipfile
 
 from classroom import handout
 
-GRADER = ["__init__.py", "__main__.py", "manifest.py", "grade.py", "child.py", "probes.py",
-          "harness.py", "standins.py", "reference.py", "checks/*.py"]
+GRADER = ["__init__.py", "__main__.py", "manifest.py", "grade.py", "child.py", "launch.py",
+          "probes.py", "harness.py", "standins.py", "reference.py", "checks/*.py"]
 
 SETUP = """#!/usr/bin/env bash
 # Gradescope runs this once when the autograder is built: Python, torch (CPU), the requirements.
@@ -42,7 +44,7 @@ config = json.loads(pathlib.Path("assignment.json").read_text())
 results = root / "results" / "results.json"
 import os
 proc = subprocess.run([sys.executable, "-m", "classroom", "grade", "--hidden",
-                       "--seed", str(config["seed"]), "--assignment", ",".join(config["exercises"]),
+                       "--seed-file", "seed", "--assignment", ",".join(config["exercises"]),
                        "--base", "base", "--submission", str(root / "submission"),
                        "--json", str(results),
                        "--child-user", os.environ.get("CLASSROOM_CHILD_USER", "nobody")],
@@ -72,8 +74,8 @@ def build(out, exercises, seed):
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(path, target)
         shutil.copyfile(handout.ROOT / "requirements.txt", source / "requirements.txt")
-        (source / "assignment.json").write_text(json.dumps({"exercises": exercises,
-                                                            "seed": seed}) + "\n")
+        (source / "assignment.json").write_text(json.dumps({"exercises": exercises}) + "\n")
+        (source / "seed").write_text(f"{seed}\n")
         (source / "setup.sh").write_text(SETUP)
         (source / "run_autograder").write_text(RUN)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,14 @@
 unprivileged user), send it a case, wait at most the case's time limit for
 its answer, and kill it and everything it started. Nothing it sends is trusted: answers are JSON,
 read back into tensors of a few plain dtypes, and a malformed, late or missing answer fails that
-case only (the next case gets a fresh child)."""
+case only (the next case gets a fresh child).
+
+Nothing a child starts outlives its exercise. Where the kernel lets the grader create a PID
+namespace (root with CAP_SYS_ADMIN: a local root grader, CI), each child is pid 1 of its own
+(launch.py), and all in it die with it. Where it is refused (Gradescope's containers: root without
+CAP_SYS_ADMIN), the child's user bounds it: at the end every process of that user is killed. As the
+grader's own user without a namespace, the grader, their subreaper, gets every orphan back and
+kills every process below it, pass after pass until none is left."""
 import ctypes
 import json
 import os
@@ -18,12 +25,14 @@ import time
 import torch
 
 PROBES = (pathlib.Path(__file__).parent / "probes.py").read_text()
+LAUNCH = (pathlib.Path(__file__).parent / "launch.py").read_text()
 STANDINS = (pathlib.Path(__file__).parent / "standins.py").read_text()
 DTYPES = {name: getattr(torch, name) for name in
           ("float64", "float32", "bfloat16", "float16", "int64", "int32", "bool")}
 MAX_ANSWER = 64 * 2**20  # bytes: an answer longer than this is not read
 START_SECONDS = 120  # time limit for the child to import torch and the submission
 LIVE = set()  # pids of the children at work (exercises are graded side by side)
+UNCONFINED = set()  # users other than ours whose children ran outside a PID namespace
 LOCK = threading.Lock()
 
 
@@ -45,31 +54,71 @@ def become_subreaper():
 
 
 def kill_strays():
-    """Kill every process left whose parent is the grader, other than the live children of the
-    exercises graded meanwhile: what a child forked and left behind (again until none is left:
-    one that forks as it dies leaves its own child to us)."""
+    """Kill every process below the grader but the live children of the exercises graded
+    meanwhile and theirs: what a child left behind, at any depth (orphans come back to us, the
+    subreaper), pass after pass until a pass finds none (those that fork meanwhile are found by
+    the next)."""
     with LOCK:
-        kill_strays_unlocked(str(os.getpid()))
+        me = os.getpid()
+        while strays := below(me, spare=LIVE):
+            for pid, _ in strays:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            for pid, parent in strays:
+                if parent == me:
+                    try:
+                        os.waitpid(pid, 0)
+                    except ChildProcessError:
+                        pass
+            if all(parent != me for _, parent in strays):
+                time.sleep(0.01)  # only the dead whose parents are dying: soon ours to reap
 
 
-def kill_strays_unlocked(me):
-    for _ in range(100):
-        strays = []
-        for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+def processes():
+    """{pid: (parent pid, state, real uid)} of every process."""
+    table = {}
+    for status in pathlib.Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines())
+        except (OSError, ValueError):
+            continue
+        table[int(status.parent.name)] = (int(fields["PPid"]), fields["State"].split()[0],
+                                          int(fields["Uid"].split()[0]))
+    return table
+
+
+def below(root, spare=()):
+    """[(pid, parent)] of the processes below `root`, but those in `spare` and below them."""
+    children = {}
+    for pid, (parent, _, _) in processes().items():
+        children.setdefault(parent, []).append(pid)
+    found, todo = [], [root]
+    while todo:
+        parent = todo.pop()
+        for pid in children.get(parent, []):
+            if pid not in spare:
+                found.append((pid, parent))
+                todo.append(pid)
+    return found
+
+
+def kill_user(uid):
+    """Kill every process of user `uid` (another than ours: the children's, where they ran outside
+    a PID namespace). One process of that user kills them all at once (kill -1), so none forks
+    away meanwhile; again until none is left."""
+    assert uid not in (0, os.geteuid())
+    while any(state != "Z" and owner == uid for _, state, owner in processes().values()):
+        helper = os.fork()
+        if helper == 0:
             try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[1] == me and int(stat.parent.name) not in LIVE:
-                strays.append(int(stat.parent.name))
-        if not strays:
-            return
-        for pid in strays:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            except (OSError, ChildProcessError):
-                pass
+                os.setuid(uid)
+                os.kill(-1, signal.SIGKILL)
+            finally:
+                os._exit(0)
+        os.waitpid(helper, 0)
+        kill_strays()  # reaps those that were ours
 
 
 def sandbox_user(name):
@@ -84,6 +133,8 @@ def sandbox_user(name):
         user = pwd.getpwnam(name)
     except KeyError:
         raise SystemExit(f"--child-user {name}: no such user") from None
+    if user.pw_uid == os.geteuid():
+        return None
     if os.geteuid() != 0:
         raise SystemExit(f"--child-user {name}: the grader must run as root to switch users")
     return user.pw_uid, user.pw_gid
@@ -99,13 +150,19 @@ def start(sandbox, others, own, patch, user=None, hidden=False):
         {"HOME": os.environ.get("HOME", str(sandbox))}
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "LANG": "C.UTF-8", **home}
-    ids = {"user": user[0], "group": user[1], "extra_groups": []} if user else {}
+    uid, gid = user or (-1, -1)
+    confined, report = os.pipe()  # the launcher says there whether a PID namespace holds the child
     with LOCK:  # not taken for a stray by another exercise's kill_strays
-        proc = subprocess.Popen([sys.executable, "-I", "-c", PROBES, str(write_end)],
+        proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", LAUNCH, str(uid), str(gid),
+                                 str(report), sys.executable, "-I", "-c", PROBES, str(write_end)],
                                 cwd=sandbox, env=env, stdin=subprocess.PIPE, stdout=log,
-                                stderr=log, pass_fds=(write_end,), start_new_session=True, **ids)
+                                stderr=log, pass_fds=(write_end, report), start_new_session=True)
         LIVE.add(proc.pid)
     os.close(write_end)
+    os.close(report)
+    if os.read(confined, 1) != b"1" and user:
+        UNCONFINED.add(uid)
+    os.close(confined)
     child = {"proc": proc, "answers": read_end, "buffer": b"", "log": log, "next_id": 0}
     setup = {"others": others, "own": own, "patch": patch, "standins": STANDINS if patch else ""}
     try:

@@ -169,13 +169,21 @@ def files_of(exercise_id):
     return sorted({file for file, _ in exercise.functions}) or ["experiment/"]
 
 
-def give_to(path, user):
-    """Make the sandbox the child's own (it runs as `user`, e.g. nobody, when we are root)."""
+def give_to(sandbox, user):
+    """Make the sandbox the child's own (it runs as `user`, e.g. nobody, when we are root), and the
+    way to it traversable by that user: the sandbox's temporary folder, which holds nothing else,
+    opened for traversal only (0711), and every folder above it (the system's: /tmp) checked."""
     if user is None:
         return
-    os.chmod(path.parent, 0o711)
-    for item in [path, *path.rglob("*")]:
+    os.chmod(sandbox.parent, 0o711)
+    for item in [sandbox, *sandbox.rglob("*")]:
         os.chown(item, *user, follow_symlinks=False)
+    for folder in sandbox.parent.parents:
+        status = os.stat(folder)
+        bit = 0o100 if status.st_uid == user[0] else 0o010 if status.st_gid == user[1] else 0o001
+        if not status.st_mode & bit:
+            raise SystemExit(f"the child's user cannot reach the sandbox: {folder} is closed to "
+                             "it (set TMPDIR to a folder it can traverse, as /tmp)")
 
 
 def grade(root, exercises, seed, hidden, submission=None, base=None, child_user=None):
@@ -187,7 +195,8 @@ def grade(root, exercises, seed, hidden, submission=None, base=None, child_user=
     for exercise_id in exercises:  # import every check (and transformers) before any child runs
         checks_of(exercise_id)
     received = {}
-    with tempfile.TemporaryDirectory(prefix="classroom-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="classroom-") as tmp, \
+            tempfile.TemporaryDirectory(prefix="classroom-sandbox-") as outer:
         user = None
         if hidden:
             if base is None:
@@ -195,8 +204,7 @@ def grade(root, exercises, seed, hidden, submission=None, base=None, child_user=
 
                 base = handout.make(pathlib.Path(tmp) / "base", exercises, git=False)
                 shutil.rmtree(base / "classroom")  # the grader is no file a child can find
-            root = pathlib.Path(tmp) / "work" / "sandbox"
-            root.parent.mkdir()
+            root = pathlib.Path(outer) / "sandbox"
             build_sandbox(root, base, submission, exercises, received)
             user = children.sandbox_user(child_user)
             give_to(root, user)
@@ -212,6 +220,8 @@ def grade(root, exercises, seed, hidden, submission=None, base=None, child_user=
                 for e in [e for e, future in running.items() if future in finished]:
                     tests += running.pop(e).result()
                     done.add(e)
+        if user and user[0] in children.UNCONFINED:  # no PID namespace held its processes
+            children.kill_user(user[0])
     order = {e: i for i, e in enumerate(exercises)}
     return sorted(tests, key=lambda t: order[t["exercise"]]), received
 
@@ -245,7 +255,7 @@ def print_report(rows, tests, hidden, seed, received, verbose=False):
             for message in t["messages"] if verbose else t["messages"][:6]:
                 print("  " + message.replace("\n", "\n    "))
     if hidden:
-        print(f"\nThese are the hidden tests (seed {seed}).")
+        print("\nThese are the hidden tests" + (f" (seed {seed})." if seed is not None else "."))
     else:
         print("\nThese are the PUBLIC tests only. Your grade comes from hidden tests with other "
               "parameters (lengths, parameters, masks, dtypes, seeds), and E8's written answer "
@@ -279,10 +289,32 @@ def gradescope(rows, tests, hidden, received, exercises):
             "tests": entries}
 
 
+def secret_seed(args):
+    """The hidden seed, from --seed or --seed-file. Every user can read a command line (through
+    /proc), so a child of another user is kept from the seed only by a file it cannot read."""
+    if (args.seed is None) == (args.seed_file is None):
+        raise SystemExit("--hidden needs --seed SECRET_INT or --seed-file PATH (one of them)")
+    if args.seed_file is None:
+        if getattr(args, "child_user", None):
+            raise SystemExit("--child-user: give the seed with --seed-file (the child's user can "
+                             "read the grader's command line)")
+        return args.seed
+    path = pathlib.Path(args.seed_file)
+    try:
+        text = path.read_text().strip()
+        readable_by_others = path.stat().st_mode & 0o044
+    except OSError as error:
+        raise SystemExit(f"--seed-file {path}: {error.strerror}") from None
+    if getattr(args, "child_user", None) and readable_by_others:
+        raise SystemExit(f"--seed-file {path}: other users can read it (chmod 600 it)")
+    if not re.fullmatch(r"-?\d+", text):
+        raise SystemExit(f"--seed-file {path}: not an integer")
+    return int(text)
+
+
 def main(args):
     if args.hidden:
-        if args.seed is None:
-            raise SystemExit("--hidden needs --seed SECRET_INT (the instructor's secret integer)")
+        args.seed = secret_seed(args)
         submission = pathlib.Path(args.submission or ".").resolve()
         if not submission.is_dir():
             raise SystemExit(f"--submission {submission}: no such directory")
@@ -314,7 +346,8 @@ def main(args):
     tests, received = grade(root, exercises, seed, args.hidden, submission, base,
                             getattr(args, "child_user", None))
     rows = summarize(tests, exercises)
-    print_report(rows, tests, args.hidden, seed, received, args.verbose)
+    print_report(rows, tests, args.hidden, None if args.seed_file else seed, received,
+                 args.verbose)
     if not args.hidden:  # the public grader is importable here, never in hidden grading
         for file in sorted({f for e in exercises for f in files_of(e) if not f.endswith("/")}):
             if re.search(r"\b(classroom|standins)\b", (root / file).read_text(errors="replace")):

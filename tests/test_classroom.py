@@ -13,6 +13,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -500,52 +501,287 @@ GRADESCOPE_TEST_KEYS = {"name", "score", "max_score", "output", "visibility", "s
                         "number", "extra_data", "output_format", "name_format"}
 
 
-def child_user():
-    """`nobody`, as on Gradescope, where this Python can run as nobody (as root, with a Python
-    nobody can read); else "" (the grader's own user)."""
-    if os.geteuid() != 0:
-        return ""
+ZIP_SEED = 987654321  # the autograder zip's secret: no output may print it
+
+
+def untraversable_ancestor(path):
+    """The topmost folder above `path` that other users cannot traverse (no o+x), or None."""
+    path = pathlib.Path(os.path.realpath(path))
+    return next((p for p in reversed(path.parents) if not os.stat(p).st_mode & 0o001), None)
+
+
+def where_nobody_runs_python(argv):
+    """argv, run as root where `nobody` can run this Python, or None where that cannot be arranged
+    (not root, no user nobody, unshare refused). Where the Python lives
+    below a folder nobody cannot traverse (here pyenv's, below /root of mode 0700), the command
+    runs in a private mount namespace (unshare -m) in which a tmpfs of mode 0755 covers that
+    folder, with the Python's folders, the repository and the temporary folder bound back into it:
+    nothing changes outside the namespace, and the grader in it switches users as on Gradescope."""
     try:
-        probe = subprocess.run([sys.executable, "-I", "-c", "import torch"], user="nobody",
-                               cwd="/", capture_output=True)
-    except OSError:  # this Python cannot be run by nobody (it lives under /root, say)
-        return ""
-    return "nobody" if probe.returncode == 0 else ""
+        import pwd
+
+        pwd.getpwnam("nobody")
+    except KeyError:
+        return None
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        return None
+    prefixes = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix)}
+    hidden = min(filter(None, map(untraversable_ancestor, prefixes)), default=None,
+                 key=lambda path: len(path.parts))
+    if hidden is None:
+        return list(argv)
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-m", "true"]).returncode:
+        return None
+    keep = {p for p in prefixes | {str(ROOT), tempfile.gettempdir()}
+            if pathlib.Path(p).is_relative_to(hidden)}
+    keep = sorted(p for p in keep if not any(p != q and pathlib.Path(p).is_relative_to(q)
+                                             for q in keep))
+    q = shlex.quote
+    script = ["set -e"]
+    script += [f"s{i}=$(mktemp -d); mount --bind {q(p)} $s{i}" for i, p in enumerate(keep)]
+    script += [f"mount -t tmpfs -o mode=0755 tmpfs {q(str(hidden))}"]
+    script += [f"mkdir -p {q(p)}; mount --move $s{i} {q(p)}; rmdir $s{i}"
+               for i, p in enumerate(keep)]
+    return ["unshare", "-m", "--propagation", "private", "sh", "-c",
+            "\n".join(script + ['exec "$@"']), "sh", *argv]
 
 
-def test_the_autograder_zip_runs_end_to_end(tmp_path):
-    """`python -m classroom autograder` builds the zip; its run_autograder grades a fake
-    /autograder tree's submission and writes Gradescope's results.json."""
-    zip_path = tmp_path / "autograder.zip"
+@pytest.fixture(scope="module")
+def autograder_zip(tmp_path_factory):
+    zip_path = tmp_path_factory.mktemp("autograder") / "autograder.zip"
     proc = subprocess.run([sys.executable, "-m", "classroom", "autograder", str(zip_path),
-                           "--exercises", "E1,E4", "--seed", str(SECRET)], cwd=ROOT,
+                           "--exercises", "E1,E4", "--seed", str(ZIP_SEED)], cwd=ROOT,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    tree = tmp_path / "autograder"
+    return zip_path
+
+
+def run_autograder(zip_path, tree, files):
+    """Unpack the autograder into a fake /autograder tree, put `files` ({path: text}) in its
+    submission and run its run_autograder as root, the children as nobody, as on Gradescope (where
+    this cannot be arranged, the children as the grader's own user): (results.json, the run's
+    output)."""
     with zipfile.ZipFile(zip_path) as archive:
-        names = archive.namelist()
         archive.extractall(tree / "source")
-    assert {"setup.sh", "run_autograder", "assignment.json", "classroom/grade.py",
-            "base/kl.py"} <= set(names)
-    assert not [n for n in names if n.startswith("base/classroom") or "bugs.py" in n]
-    (tree / "submission" / "hw").mkdir(parents=True)  # a zipped folder, kl.py only
-    shutil.copyfile(ROOT / "kl.py", tree / "submission" / "hw" / "kl.py")
+    (tree / "submission").mkdir(parents=True)
+    for name, text in files.items():
+        (tree / "submission" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / "submission" / name).write_text(text)
+    argv = ["bash", str(tree / "source/run_autograder")]
+    as_root = where_nobody_runs_python(argv)
     env = {**os.environ, "AUTOGRADER_ROOT": str(tree), "PYTHON": sys.executable,
-           "CLASSROOM_CHILD_USER": child_user()}
-    run = subprocess.run(["bash", str(tree / "source" / "run_autograder")], env=env,
-                         capture_output=True, text=True)
+           "CLASSROOM_CHILD_USER": "nobody" if as_root else ""}
+    run = subprocess.run(as_root or argv, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = json.loads((tree / "results" / "results.json").read_text())
     assert isinstance(results["score"], (int, float)) and isinstance(results["tests"], list)
     for t in results["tests"]:
         assert set(t) <= GRADESCOPE_TEST_KEYS and isinstance(t["name"], str)
         assert 0 <= t["score"] <= t["max_score"] and t["visibility"] in (
             "visible", "hidden", "after_due_date", "after_published")
-    scores, _ = scores_of(tree / "results" / "results.json")
-    assert full(scores, "E1") and scores["E4"][0] == 0, run.stdout[-3000:]
+    assert "grader stopped" not in results["output"], results["output"]
+    return results, run.stdout
+
+
+def test_the_autograder_zip_runs_end_to_end(autograder_zip, tmp_path):
+    """`python -m classroom autograder` builds the zip; its run_autograder grades a fake
+    /autograder tree's submission as Gradescope does (root, submitted code as nobody) and writes
+    Gradescope's results.json: kl.py alone scores E1's full marks, an empty upload 0."""
+    names = zipfile.ZipFile(autograder_zip).namelist()
+    assert {"setup.sh", "run_autograder", "assignment.json", "classroom/grade.py",
+            "base/kl.py"} <= set(names)
+    assert not [n for n in names if n.startswith("base/classroom") or "bugs.py" in n]
+    # a zipped folder, kl.py only
+    results, stdout = run_autograder(autograder_zip, tmp_path / "full",
+                                     {"hw/kl.py": (ROOT / "kl.py").read_text()})
+    scores, _ = scores_of(tmp_path / "full" / "results" / "results.json")
+    assert full(scores, "E1") and scores["E4"][0] == 0, stdout[-3000:]
     assert results["score"] == 6
     files = {t["name"]: t["output"] for t in results["tests"] if t["name"].endswith("files")}
     assert "kl.py received" in files["E1 files"]
     assert "advantage.py not submitted" in files["E4 files"]
+    results, stdout = run_autograder(autograder_zip, tmp_path / "empty", {})
+    assert results["score"] == 0 and len(results["tests"]) > 2, stdout[-3000:]
+    files = {t["name"]: t["output"] for t in results["tests"] if t["name"].endswith("files")}
+    assert files == {"E1 files": "kl.py not submitted", "E4 files": "advantage.py not submitted"}
+
+
+LEAK = """
+import os
+
+
+def _ancestors(name):
+    \"\"\"The NUL-separated entries of /proc/PID/name of every ancestor this user can read.\"\"\"
+    entries, pid = [], "self"
+    while pid != "1":
+        pid = open(f"/proc/{pid}/status").read().split("PPid:")[1].split()[0]
+        try:
+            text = open(f"/proc/{pid}/{name}", "rb").read().decode(errors="replace")
+            entries += text.split("\\0")
+        except OSError:
+            pass
+    return entries
+
+
+_args, _environ = _ancestors("cmdline"), _ancestors("environ")
+_near_seed = [" ".join(_args[i:i + 2]) for i, arg in enumerate(_args)
+              if "seed" in arg.lower() and len(arg) < 40]
+_near_seed += [entry for entry in _environ if "seed" in entry.lower()]
+raise ImportError("found: " + " | ".join(_near_seed))
+"""
+
+
+def test_a_submission_cannot_read_the_seed(autograder_zip, tmp_path):
+    """kl.py that raises at import an ImportError of what it finds near 'seed' in its ancestors'
+    command lines and environments (the grader's among them), which the visible "E1 files" entry
+    prints: it finds the grader's command line, and no output holds the seed."""
+    results, stdout = run_autograder(autograder_zip, tmp_path / "leak", {"kl.py": LEAK})
+    files = next(t["output"] for t in results["tests"] if t["name"] == "E1 files")
+    assert "ImportError: found: --seed-file seed" in files, files
+    assert str(ZIP_SEED) not in json.dumps(results), files
+
+
+STRAYS = """
+# _MARK (in each stray's command line), _SEEN (a folder every user may write), _RESULTS: above
+import os as _os, resource as _resource, sys as _sys, time as _time
+
+_CHAIN = '''n=$1
+if [ "$n" -gt 0 ]; then
+    sh "$0" $((n - 1))
+    exit
+fi
+echo deep >> %(seen)s/chain
+while :; do
+    [ -s %(results)s ] && echo '{"score": 999}' > %(results)s
+    sleep 0.2
+done
+'''
+_BOMB = '''import os, time
+while True:  # each process forks again and again, the new ones too, as far as RLIMIT_NPROC lets
+    try:
+        if os.fork() == 0:
+            open("%(seen)s/bomb", "a").write("forked\\\\n")
+    except OSError:
+        time.sleep(0.1)
+'''
+
+
+def _start(argv, nproc=None):
+    \"\"\"argv in a session of its own, forked from this child.\"\"\"
+    if _os.fork() == 0:
+        _os.setsid()
+        if nproc:
+            _resource.setrlimit(_resource.RLIMIT_NPROC, (nproc, nproc))
+        _os.execv(argv[0], argv)
+
+
+def _tasks_of_mine():
+    mine = 0
+    for task in __import__("glob").glob("/proc/[0-9]*/task/[0-9]*"):
+        try:
+            mine += _os.stat(task).st_uid == _os.getuid()
+        except OSError:
+            pass
+    return mine
+
+
+def _lines(name):
+    try:
+        return len(open(f"{_SEEN}/{name}").readlines())
+    except OSError:
+        return 0
+
+
+for _name, _text in (("chain.sh", _CHAIN), ("bomb.py", _BOMB)):
+    with open(f"{_MARK}-{_name}", "w") as _file:
+        _file.write(_text % {"seen": _SEEN, "results": _RESULTS})
+
+
+def _wait_for(name, lines):
+    deadline = _time.monotonic() + 30
+    while _lines(name) < lines:
+        assert _time.monotonic() < deadline, f"the strays did not start ({name})"
+        _time.sleep(0.05)
+
+
+_start(["/bin/sh", f"{_MARK}-chain.sh", "300"])
+_start([_sys.executable, "-I", "-S", "-c", "import sys, time; open(sys.argv[1] + '/sleeper', "
+        "'w').write('sleeping'); time.sleep(1000)", _SEEN, _MARK])
+_wait_for("chain", 1)
+_wait_for("sleeper", 1)
+_start([_sys.executable, "-I", "-S", f"{_MARK}-bomb.py"], nproc=_tasks_of_mine() + 40)
+_wait_for("bomb", 16)
+"""
+
+
+def processes_with(mark):
+    found = []
+    for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if mark.encode() in cmdline.read_bytes():
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("mode", ["nobody", "nobody-without-namespaces", "own-user"])
+def test_no_process_of_a_submission_outlives_its_exercise(mode):
+    """kl.py (the solution) starting at import, each in a session of its own: a chain of 300
+    nested shells whose innermost rewrites the results file once it exists, a fork bomb bounded
+    by RLIMIT_NPROC and a sleeper. None is left when the grader returns, and the results stay as
+    written: as root with nobody's children (each in a PID namespace of its own), as root without
+    CAP_SYS_ADMIN as in Gradescope's containers (namespaces refused: every process of nobody's
+    killed at the end), and as a grader whose children are its own user's (nobody's if we are
+    root, so that RLIMIT_NPROC bounds the bomb; every descendant killed, pass after pass)."""
+    import pwd
+
+    if (mode != "own-user" or os.geteuid() == 0) and where_nobody_runs_python([]) is None:
+        pytest.skip("needs root and a Python that nobody can run")
+    mark = f"stray{os.getpid()}x{time.time_ns()}"
+    seen = pathlib.Path(tempfile.mkdtemp(prefix="strays-"))
+    try:
+        seen.chmod(0o777)
+        results = seen / "results.json"
+        (seen / "upload").mkdir()
+        (seen / "upload" / "kl.py").write_text(
+            (ROOT / "kl.py").read_text()
+            + f"\n_MARK, _SEEN, _RESULTS = {mark!r}, {str(seen)!r}, {str(results)!r}" + STRAYS)
+        base = handout.make(seen / "base", ["E1"], git=False)
+        shutil.rmtree(base / "classroom")
+        (seen / "seed").write_text(f"{SECRET}\n")
+        (seen / "seed").chmod(0o600)
+        grader = [sys.executable, "-m", "classroom", "grade", "--hidden", "--seed-file",
+                  str(seen / "seed"), "--assignment", "E1", "--base", str(base), "--submission",
+                  str(seen / "upload"), "--json", str(results)]
+        if mode == "own-user" and os.geteuid() == 0:
+            nobody = pwd.getpwnam("nobody")
+            os.chown(seen / "seed", nobody.pw_uid, nobody.pw_gid)
+            grader = ["setpriv", "--reuid", str(nobody.pw_uid), "--regid", str(nobody.pw_gid),
+                      "--clear-groups", *grader]
+        elif mode != "own-user":
+            grader += ["--child-user", "nobody"]
+        if mode == "nobody-without-namespaces":
+            grader = ["setpriv", "--bounding-set", "-sys_admin", *grader]
+        if mode != "own-user" or os.geteuid() == 0:
+            grader = where_nobody_runs_python(grader)
+        proc = subprocess.run(grader, cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "HOME": str(seen)})
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        written = results.read_bytes()
+        assert full(scores_of(results)[0], "E1"), proc.stdout[-3000:]
+        assert [(seen / name).exists() for name in ("chain", "bomb", "sleeper")] == [True] * 3
+        assert processes_with(mark) == []
+        time.sleep(3)  # a stray, if one were left, would rewrite the results by now
+        assert processes_with(mark) == [] and results.read_bytes() == written
+    finally:
+        while processes_with(mark):
+            for pid in processes_with(mark):
+                try:
+                    os.kill(pid, 9)
+                except OSError:
+                    pass
+        shutil.rmtree(seen, ignore_errors=True)
 
 
 def test_manifest_and_code_agree():
@@ -565,3 +801,42 @@ def test_manifest_and_code_agree():
         for _, name in checks_of(exercise).PATCH:
             assert order.index(owner[name]) < order.index(exercise), (exercise, name)
     assert {b[0] for b in BUGS} >= {e.id for e in EXERCISES if e.functions}
+
+
+def test_a_sandbox_the_child_cannot_reach_is_refused(tmp_path):
+    """A sandbox below a folder closed to the child's user (TMPDIR in root's home, say): one line
+    that names the folder, before any child fails to import."""
+    if os.geteuid() != 0:
+        pytest.skip("giving the sandbox to nobody needs root")
+    from classroom.grade import give_to
+
+    closed = tmp_path / "closed"
+    (closed / "tmp" / "sandbox").mkdir(parents=True)
+    closed.chmod(0o700)
+    with pytest.raises(SystemExit, match=f"{closed} is closed to it"):
+        give_to(closed / "tmp" / "sandbox", (65534, 65534))
+
+
+def test_the_seed_reaches_the_grader_by_a_file_only(tmp_path):
+    """With a child of another user, the seed comes from a file only the grader can read: on a
+    command line, or in a file others can read, it is refused in one line."""
+    from argparse import Namespace
+
+    from classroom.grade import secret_seed
+
+    seed = tmp_path / "seed"
+    seed.write_text(f"{ZIP_SEED}\n")
+    seed.chmod(0o600)
+    args = dict(seed=None, seed_file=str(seed), child_user="nobody")
+    assert secret_seed(Namespace(**args)) == ZIP_SEED
+    assert secret_seed(Namespace(**{**args, "seed": 5, "seed_file": None, "child_user": ""})) == 5
+    with pytest.raises(SystemExit, match="give the seed with --seed-file"):
+        secret_seed(Namespace(**{**args, "seed": 5, "seed_file": None}))
+    seed.chmod(0o644)
+    with pytest.raises(SystemExit, match="other users can read it"):
+        secret_seed(Namespace(**args))
+    seed.write_text("twelve")
+    with pytest.raises(SystemExit, match="not an integer"):
+        secret_seed(Namespace(**{**args, "child_user": None}))
+    with pytest.raises(SystemExit, match="one of them"):
+        secret_seed(Namespace(**{**args, "seed": 5}))

@@ -77,13 +77,13 @@ def estimate(logp, ref_logp, kind, clamp="none"):
     if clamp not in CLAMPS:
         raise ValueError(f"unknown KL clamp {clamp!r}: choose one of {', '.join(CLAMPS)}")
     if kind == "k1":
-        # Table 1's K1 (K1-in-reward, K1-in-loss)
+        # Table 1: K1-in-reward, K1-in-loss, both (their estimator, K1)
         # eq. 11: K1_t = log pi - log pi_ref
         return logp - ref_logp
     if kind == "k2":
         # K2_t = 1/2 (log pi - log pi_ref)^2
         return 0.5 * (logp - ref_logp) ** 2
-    # Table 1's K3 (K3-in-reward, K3-in-loss)
+    # Table 1: K3-in-reward, K3-in-loss, both (their estimator, K3)
     # eq. 14: K3_t = r - 1 - log r, written as expm1(log r) - log r: exact when r ~ 1, and >= 0
     log_r = ref_logp - logp
     if clamp == "verl":
@@ -101,7 +101,7 @@ def shape_rewards(scores, logp, ref_logp, mask, kind, place, beta, clamp="none")
     if place not in ("reward", "both"):
         return scores.detach()
     kl = estimate(logp.detach(), ref_logp.detach(), kind, clamp)
-    # Table 1: K1-in-reward, K3-in-reward (and the reward's half of --place both)
+    # Table 1: K1-in-reward, K3-in-reward, both (the reward's half)
     # eq. 7: R - beta * sum_t sg[KL_t]
     return (scores - beta * (mask * kl).sum(-1)).detach()
 
@@ -113,7 +113,7 @@ def kl_loss(logp, ref_logp, mask, kind, place, beta, num_tokens, clamp="none"):
     if place not in ("loss", "both"):
         return logp.new_zeros(())
     kl = estimate(logp, ref_logp.detach(), kind, clamp)
-    # Table 1: K1-in-loss, K3-in-loss (and the loss's half of --place both)
+    # Table 1: K1-in-loss, K3-in-loss, both (the loss's half)
     # eq. 9: the path-wise term, beta * sum_t grad KL_t, token-normalized like the policy loss
     return beta * (mask * kl).sum() / num_tokens
 
@@ -138,6 +138,7 @@ def off_policy_kl_loss(logp, behaviour_logp, ref_logp, mask, beta, num_tokens,
       log_normalizer  log of the batch's mean weight, for the self-normalized w_i / mean_j w_j
                       (biased, consistent: O(1/n)); 0 for none.
     """
+    # Table 1: weighted (beside the table): w sg[K1], its gradient unbiased off-policy
     log_w = log_importance_weights(logp, behaviour_logp, mask)
     k1 = (mask * (logp - ref_logp).detach()).sum(-1)
     w = (log_w.detach().double() - log_normalizer).clamp(max=max_log_w).exp()

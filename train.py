@@ -1,7 +1,7 @@
 """On-policy RLOO fine-tuning of an LLM with a KL penalty (paper sec. 2-4, app. B).
 
-One step of `main` (Table 1's four configurations are the comments marked `K1-in-reward`,
-`K3-in-reward`, `K1-in-loss`, `K3-in-loss`: `grep -n K3-in-loss *.py`):
+One step of `main` (each configuration's lines carry a comment `Table 1:` and its name, the four
+of Table 1 or `both` or `weighted`; README.md, "Finding a configuration", greps exactly them):
   1. rollout    --group-size completions for each of --prompts-per-step prompts, from the policy
   2. reward     each completion's verifiable reward R in [0, 1] (data.score, reward.py)
   3. log-probs  log pi(y_t | x, y<t) of every sampled token under the policy (no grad) and the
@@ -170,8 +170,8 @@ def main(argv=None):
             by_segments=args.by_segments)[0]
 
         # ------------------------------------------------------------ shape (eq. 7)
-        # Table 1: K1-in-reward, K3-in-reward (--place reward; --place both adds the loss's
-        # term below): the return R - beta * sum_t sg[KL_t], the KL's gradient a score function
+        # Table 1: K1-in-reward, K3-in-reward, both (--place reward; both adds the loss's term
+        # below): the return R - beta * sum_t sg[KL_t], the KL's gradient a score function
         # through the advantage (eq. 8)
         returns = kl.shape_rewards(scores, policy_logp, ref_logp, mask, args.kl, args.place,
                                    args.beta, args.kl_clamp)
@@ -267,12 +267,14 @@ def update(args, policy, optimizer, batch, minibatch, first):
                     logp, old_logp, advantages[rows], mask[rows], num_tokens, args.is_cap)
 
             # KL loss
-            if args.place == "weighted":  # unbiased off-policy: w sg[K1], w = prod_t pi/mu
+            if args.place == "weighted":
+                # Table 1: weighted (beside the table): w sg[K1], w = prod_t pi/mu, unbiased
+                # off-policy
                 kl_loss = kl.off_policy_kl_loss(logp, batch.behaviour_logp[rows],
                                                 batch.ref_logp[rows], mask[rows], args.beta,
                                                 num_tokens, weight_cap, weight_normalizer)
             else:
-                # Table 1: K1-in-loss, K3-in-loss (--place loss; --place both adds the reward's
+                # Table 1: K1-in-loss, K3-in-loss, both (--place loss; both adds the reward's
                 # term): beta * sum_t KL_t / num_tokens, its gradient path-wise (eq. 9); else 0
                 kl_loss = kl.kl_loss(logp, batch.ref_logp[rows], mask[rows], args.kl, args.place,
                                      args.beta, num_tokens, args.kl_clamp)

@@ -1,10 +1,13 @@
-"""Evaluation: mean@k accuracy on verifiable tasks, the paper's protocol (sec. 4, app. B).
+"""Evaluation: mean@k accuracy on verifiable tasks, the paper's protocol (sec. 4.1, app. B).
 
 The paper samples k = 32 answers per problem at temperature 1.0, top-p 1.0, with the default chat
 template, scores each with the verifiable reward R = 1[Extract(y) = y*] (sec. 2), and reports
-mean@32 on MATH500, MATH^2 and the MMLU college physics/chemistry/biology subsets (Fig. 5-6); during
-training it reports Pass@1 on a held-out set (Fig. 2-4). Both are `evaluate` below;
-`train.py --eval-every` calls it with samples=1.
+mean@32 on MATH500, MATH^2 and the MMLU college physics/chemistry/biology subsets (Fig. 5-6),
+"across 3 seeds" (sec. 4.1): one run here is one seed (--seed), three runs make the paper's.
+During training it reports Pass@1 on a held-out set (Fig. 2-4). Both are `evaluate` below;
+`train.py --eval-every` calls it with samples=1. App. B also lists vLLM's min_p = 1.0, which read
+literally keeps only the most likely token (greedy decoding); we apply no min-p filter, as its
+temperature 1.0 and 32 samples per problem suggest the paper did not either (our inference).
 
 Metrics, for n problems with k samples each, c_i of which are correct on problem i
 (correct: reward == 1):

@@ -16,7 +16,8 @@ What the paper needs:
 How: we reuse the Hugging Face model's modules and weights (Llama, Qwen2 and Qwen3 families) and
 write only the attention over a preallocated cache. Prefill runs each distinct prompt once (the
 trainer passes each prompt G times); then one decode loop runs every row every step, a finished
-row writing padding (gpt-fast's and nanochat's fixed shape: nothing in a step waits for the host).
+row writing padding (gpt-fast's fixed shape: nothing in a step waits for the host; nanochat's
+engine also steps every row, but reads each step's tokens back to the host).
 At one call site (decode_rows) a device's speed machinery takes over, the same samples up to float
 rounding: on CUDA systems/cuda_decode.py (CUDA graphs, torch.compile, fused projections,
 flash-attn), on a CPU systems/compaction.py (finished rows leave the batch).

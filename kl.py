@@ -120,24 +120,13 @@ def kl_loss(logp, ref_logp, mask, kind, place, beta, num_tokens, clamp="none"):
 
 def off_policy_kl_loss(logp, behaviour_logp, ref_logp, mask, beta, num_tokens,
                        max_log_w=MAX_LOG_W, log_normalizer=0.0):
-    """The KL term for samples of a behaviour policy mu != pi: beta sum_i w_i sg[K1_i] / num_tokens.
-
-    w_i = prod_t pi/mu over sequence i's tokens is the sequence-level importance weight; K1_i =
-    sum_t log pi/pi_ref is detached. E_mu[w K1] = E_pi[K1] = KL, and grad (w sg[K1]) = w K1 grad
-    log pi(y), whose expectation under mu is E_pi[K1 grad log pi(y)] = grad KL(pi || pi_ref):
-    unbiased off-policy, where every configuration of Table 1 is biased (test_kl.py enumerates
-    both). On-policy (mu = pi) its gradient is K1-in-reward's. `mask` may carry weights; w uses
-    mask > 0.
-
-    w is taken from log w in float64 and enters as sg[w] exp(log w - sg[log w]): the value w, the
-    gradient w grad log pi(y), and no exp(log w) that can overflow. Its variance controls
-    (train.py's --is-weight; their bias on the toy model: docs/toy.md):
-      max_log_w       w capped at e^max_log_w. The default MAX_LOG_W keeps one sequence's update
-                      finite in fp32 (a weight past it is an estimate no step could carry); log C
-                      is the truncated weight min(w, C), biased by E_mu[(w - C)+ K1 grad log pi].
-      log_normalizer  log of the batch's mean weight, for the self-normalized w_i / mean_j w_j
-                      (biased, consistent: O(1/n)); 0 for none.
-    """
+    """The KL term for samples of a behaviour policy mu != pi: beta sum_i w_i sg[K1_i] / num_tokens,
+    w_i = prod_t pi/mu over sequence i's tokens (mask > 0; `mask` may carry weights), K1_i = sum_t
+    log pi/pi_ref detached. Its expected gradient under mu is E_pi[K1 grad log pi(y)] = grad KL:
+    unbiased off-policy, where Table 1's configurations are biased (test_kl.py enumerates both);
+    on-policy it is K1-in-reward's. `max_log_w`: w capped at e^max_log_w (log C: the truncated
+    min(w, C)); `log_normalizer`: log of the batch's mean weight (self-normalized), 0 for none:
+    train.py's --is-weight, their biases in docs/training.md."""
     # Table 1: weighted (beside the table): w sg[K1], its gradient unbiased off-policy
     log_w = log_importance_weights(logp, behaviour_logp, mask)
     k1 = (mask * (logp - ref_logp).detach()).sum(-1)

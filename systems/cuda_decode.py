@@ -2,9 +2,9 @@
 
 rollout.py's decode_rows wraps its forward and step at one call site with fast (as gpt-fast wraps
 its decode_one_token with torch.compile(mode="reduce-overhead")); rollout.py runs without this module
-(CPU, debugging). On a GPU a decode step is ~1,000-2,000 small kernels, each launched from Python
-in a few microseconds, while the GPU runs most of them faster than that: eagerly it waits on the
-CPU. What this module does about it, each measured in docs/benchmarks.md:
+(CPU, debugging). On a GPU a decode step is many small kernels, each launched from Python, which
+the GPU runs faster than Python launches them. What this module does about it, each measured in
+docs/benchmarks.md:
 - CUDA graphs (capture, capture_stream): the step, which reads and writes only rollout.Decoding's
   tensors in place and never syncs with the host, is captured once per attention span and
   replayed; the span is a multiple of rollout.SPAN_BUCKET, so one graph serves that many steps.
@@ -82,20 +82,14 @@ def compiled_step(backend="inductor"):
     attention_inputs_of (the input norm, the q/k/v projections, rope) and layer_output (the output
     projection, the residuals, the MLP and its norm), is compiled once, and its one graph runs in
     every layer, the layer's weights being its inputs (PyTorch's recipe "Reducing torch.compile
-    cold start compilation time with regional compilation"). At SmolLM2's shape, Inductor on one
-    thread of a shared CPU, the first step of one compiled layer took 38 and 39 s, against 333 and
-    376 s for the whole decode as one graph (lab/compile_decode.py; 106.5 s of warm-up at the 7B
-    shape on an H200, 2026-11-28). The regions fuse the layer's elementwise ops (norms, rope,
-    residuals, SiLU x up) into fewer kernels, gpt-fast's recipe for a step whose kernels each cost
-    more than their work (a graphed SmolLM2 step: ~4 ms for ~0.1 ms of memory traffic,
-    docs/benchmarks.md). Attention and its cache writes stay outside: the span a step reads (and
-    flash-attn's kernel, which Dynamo cannot trace) never enters a compiled graph, where Inductor
-    guarded on whether the span equals the cache's length (the keys' contiguity) and compiled
-    again when it changed. The rest of the step, run once a step, stays eager, sampling included:
-    Inductor's split scan fails to compile the top-p/inverse-CDF cumsum fused with the softmax
-    before it (pytorch#180221, on an H200). Symbolic shapes from the first call (dynamic=True): the
-    rows change from call to call in a run; a chunk of one row compiles once more (PyTorch
-    specializes sizes 0 and 1). Opt-in (generate(compiled=True); train.py --compile-sampler)."""
+    cold start compilation time with regional compilation"). The regions fuse the layer's
+    elementwise ops into fewer kernels. Attention and its cache writes stay outside (the span a
+    step reads would make Inductor compile again; Dynamo cannot trace flash-attn's kernel), and
+    so does sampling (Inductor cannot compile its cumsum fused with the softmax before it).
+    Symbolic shapes from the first call (dynamic=True): the rows change from call to call in a
+    run; a chunk of one row compiles once more (PyTorch specializes sizes 0 and 1). Opt-in
+    (train.py --compile-sampler). Its compile times and the failures behind each choice:
+    docs/benchmarks.md, "Why the GPU machinery is as it is"."""
     def compiled(region):
         region = torch.compile(region, fullgraph=True, dynamic=True, backend=backend)
         # the norms' eps as constants (symbolic, the graph would read each from a tensor)
@@ -107,20 +101,17 @@ def compiled_step(backend="inductor"):
 
 @functools.cache
 def capture_stream(device):
-    """The one side stream on which every capture of the process warms up and records. cuBLAS keeps
-    a workspace for each stream it has run a GEMM on (32 MiB on a Hopper card) in PyTorch's
-    allocator until the process ends: a new stream per capture held one more for each span, up to
-    PyTorch's pool of 32 streams (~1 GB)."""
+    """The one side stream on which every capture of the process warms up and records: cuBLAS keeps
+    a workspace for each stream it has run a GEMM on until the process ends, so a new stream per
+    capture would hold one more for each span (docs/gpu.md)."""
     return torch.cuda.Stream(device)
 
 
 def capture(step, pool, stream):
     """Run step() once, eagerly on the side `stream` (the warm-up CUDA graphs need: cuBLAS
     workspaces, kernel choices), then record it there as a CUDA graph whose replay() is the next
-    step. Why graphs pay on a GPU: a step is ~1,000-2,000 small kernels, each launched from Python
-    in a few microseconds, while the GPU runs most of them faster than that, so eagerly it waits on
-    the CPU; a replay launches the whole recorded step at once, and the step runs at the card's
-    memory bandwidth."""
+    step: a replay launches the whole recorded step at once, where eagerly the GPU waits on Python
+    to launch each small kernel."""
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         step()
@@ -195,8 +186,7 @@ def layer_output(layer, x, out):
     """The layer's output from its input x (n * L, hidden) and attention's out (n, L, ...): the
     output projection and its residual, then the MLP on the normed sum and its residual. The sums
     are written into x (the same numbers): its caller's frame still holds x while this runs, so a
-    new sum would keep one more hidden state alive through the MLP (0.12 GB in a prefill bucket
-    of the 8-GPU command, docs/gpu.md)."""
+    new sum would keep one more hidden state alive through the MLP."""
     x = x.add_(layer.self_attn.o_proj(out.reshape(x.shape[0], -1)))
     return x.add_(mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, x)))
 
@@ -204,9 +194,8 @@ def layer_output(layer, x, out):
 def rms_norm(norm, x):
     """Hugging Face's RMSNorm module `norm` applied to x, the three families' formula with its
     normalizing in one F.rms_norm call: on CUDA one fused kernel (_fused_rms_norm) where the module
-    runs seven (to fp32, pow, mean, add, rsqrt, mul, back to x's dtype), 1.6 ms of a 12.2 ms step
-    at batch 256 of Qwen2.5-7B on an H200 (docs/benchmarks.md); on a CPU the module's own ops, the
-    same bits (torch 2.13's composite: an older one may round eps differently)."""
+    runs seven (to fp32, pow, mean, add, rsqrt, mul, back to x's dtype); on a CPU the module's own
+    ops, the same bits (torch 2.13's composite: an older one may round eps differently)."""
     # x / sqrt(mean(x^2) + eps) in fp32, rounded to x's dtype, then times the weight
     return norm.weight * F.rms_norm(x, x.shape[-1:], eps=norm.variance_epsilon)
 
@@ -260,9 +249,8 @@ def fuse_projections(model):
     """Join each layer's q, k and v projections into one weight, and its MLP's gate and up
     projections into another, the separate weights becoming views into them (no second copy): a
     decode step then runs 4 GEMMs a layer, not 7 (vLLM's QKVParallelLinear and
-    MergedColumnParallelLinear, gpt-fast's wqkv). At batch 256 of Qwen2.5-7B on an H200, k_proj's
-    and v_proj's own GEMMs ran at a tenth of the card's bandwidth (docs/benchmarks.md). Weights
-    replaced afterwards (`.to()`, a load) leave the fused ones stale: fuse again (as
+    MergedColumnParallelLinear, gpt-fast's wqkv; why: docs/benchmarks.md). Weights replaced
+    afterwards (`.to()`, a load) leave the fused ones stale: fuse again (as
     runtime.refresh_sampler does); fast refuses a model whose fused weights are stale.
     rollout.py's own forward reads the separate weights, views of the fused ones."""
     for layer in model.model.layers:
@@ -317,8 +305,7 @@ def check_fused(model):
 def inverse_cdf(probs, uniform):
     """rollout.inverse_cdf in two levels over a vocabulary of 16 blocks of CDF_BLOCK tokens or
     more: the same token as one cumsum over the whole vocabulary up to float64 rounding, for a
-    fraction of its memory traffic (on a GPU that cumsum over 152,064 tokens, its float64 copy and
-    scan, took 0.54 ms of a 12.2 ms step): the blocks' sums find the block, a cumsum inside it the
+    fraction of its memory traffic: the blocks' sums find the block, a cumsum inside it the
     token. Under 16 blocks, rollout's one cumsum (fewer ops). probs (n, V), uniform (n,); returns
     (tokens (n, 1), total mass (n, 1))."""
     n, V = probs.shape

@@ -147,10 +147,12 @@ def batch_seed(seed, b):
 
 
 def evaluate(model, tokenizer, examples, samples=1, max_new_tokens=1024, temperature=1.0, top_p=1.0,
-             batch_size=16, chat_template=True, seed=0, rank=0, world_size=1, generate_rows=0):
+             batch_size=16, chat_template=True, seed=0, rank=0, world_size=1, generate_rows=0,
+             decoder=None):
     """Sample `samples` completions per example, score them, return (metrics, completion records).
     `generate_rows`: rows one generate call decodes at a time, the same samples (0: as many as fit,
-    runtime.rows_that_fit, a whole batch on a CPU; train.py's --generate-rows).
+    runtime.rows_that_fit, a whole batch on a CPU; train.py's --generate-rows). `decoder`:
+    rollout.generate's (None: the device's, runtime.sampler_decoder; train.py passes its own).
 
     Every rank must call this with the same arguments (it all-gathers); all ranks return the same
     result. Pass a plain model (model.module under DDP). chat_template=False: plain
@@ -167,6 +169,7 @@ def evaluate(model, tokenizer, examples, samples=1, max_new_tokens=1024, tempera
     pairs = [(i, j) for i in range(len(examples)) for j in range(samples)]
     batches = [pairs[start:start + batch_size] for start in range(0, len(pairs), batch_size)]
     device = next(model.parameters()).device
+    decoder = decoder or runtime.sampler_decoder(device)
     # EOS and the template's end of turn, plain prompts too
     eos_token_id = stop_token_ids(model, tokenizer)
     records = []
@@ -177,7 +180,7 @@ def evaluate(model, tokenizer, examples, samples=1, max_new_tokens=1024, tempera
         max_rows = generate_rows or runtime.rows_that_fit(model, batch_prompts, max_new_tokens)
         with torch.no_grad():
             rollout = generate(model, batch_prompts, max_new_tokens, temperature, top_p,
-                               eos_token_id, generator, max_rows=max_rows)
+                               eos_token_id, generator, max_rows=max_rows, decoder=decoder)
         for (i, j), ids in zip(batches[b], rollout.response_ids):
             completion = tokenizer.decode(ids, skip_special_tokens=True)
             records.append(completion_record(examples[i], i, j, completion))

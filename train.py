@@ -84,10 +84,7 @@ def main(argv=None):
     args.dtype = str(dtype).removeprefix("torch.")  # "auto" resolved: a resume must compute alike
     logprob_dtype = runtime.logprob_dtype(args.logprob_dtype, device)
     args.logprob_dtype = str(logprob_dtype).removeprefix("torch.")  # resolved, as --dtype
-    if args.compile_sampler is None:  # resolved too
-        args.compile_sampler = device.type in runtime.COMPILED_SAMPLER_ON
-    args.recompute = runtime.recompute_choice(args.recompute, device)  # resolved, as --dtype
-    args.by_segments = device.type in runtime.BY_SEQUENCES_ON  # attention in every pass alike
+    runtime.resolve_device_defaults(args, device)  # what a GPU run has yet to decide, as --dtype
     print0 = print if rank == 0 else lambda *a, **k: None
     torch.manual_seed(args.seed)
     # the sampler's random stream: each rank its own
@@ -97,6 +94,8 @@ def main(argv=None):
     runtime.stop_if_any_rank(loaded if isinstance(loaded, str) else None, "train.py")
     examples, eval_sets, tokenizer, policy, stop_ids = loaded
     sampler = runtime.make_sampler(policy, device, dtype, args.fsdp)  # rollout.generate, eval
+    # the device's decode machinery, or rollout's own loop (a CPU's), chosen once
+    decoder = runtime.sampler_decoder(device, args.compile_sampler)
     runtime.checkpoint_activations(policy, args.recompute)  # --recompute
     policy = runtime.wrap(policy, device, args.fsdp)
     reference = reference_model(args, device)
@@ -142,7 +141,7 @@ def main(argv=None):
                        "(--generate-rows)")
             out = rollout.generate(sampler, prompts, args.max_new_tokens, args.temperature,
                                    args.top_p, stop_ids, generator, max_rows=max_rows,
-                                   compiled=args.compile_sampler)
+                                   decoder=decoder)
             queue.append({"weights_step": step - 1, "problems": problems, "prompts": prompts,
                           "out": out})
         sampled = queue.popleft()
@@ -201,8 +200,8 @@ def main(argv=None):
         row = step_metrics(args, step, batch, sampled, scores, returns, entropy,
                            (losses, grad_norms, skipped), (sample_s, train_s))
         if args.eval_every and step % args.eval_every == 0:
-            row.update(evaluate_pass1(args, sampler, tokenizer, eval_sets, len(prompts), rank,
-                                      world_size))
+            row.update(evaluate_pass1(args, sampler, decoder, tokenizer, eval_sets, len(prompts),
+                                      rank, world_size))
         if rank == 0:
             checkpoint.log_row(metrics_path, row)
             if report_row:
@@ -245,14 +244,14 @@ def update(args, policy, optimizer, batch, minibatch, first):
     kl_loss, clip_frac] summed over ranks, grad norm, whether the step was taken: a non-finite loss
     or gradient skips it)."""
     mask, advantages = batch.mask, batch.advantages
-    exact_logp = minibatch_logprobs(args, policy, batch, minibatch, first)
+    no_grad_logp = minibatch_logprobs(args, policy, batch, minibatch, first)
     num_tokens = tokens_on_all_ranks(mask[minibatch])  # both losses' normalizer (sec. 4.1)
-    weight_cap, weight_normalizer = is_weight_bounds(args, batch, minibatch, exact_logp)
+    log_weight_cap, log_weight_normalizer = is_weight_bounds(args, batch, minibatch, no_grad_logp)
     sums = torch.zeros(3, dtype=torch.float64, device=batch.tokens.device)
     for rows, gradient_sync in micro_batches(args, policy, batch, minibatch):
         with gradient_sync:
-            # log-probs: log pi(y_t | x, y<t) with a gradient, valued at exact_logp
-            logp = gradient_logprobs(args, policy, batch, rows, exact_logp[rows - minibatch[0]])
+            # log-probs: log pi(y_t | x, y<t) with a gradient, valued at no_grad_logp
+            logp = gradient_logprobs(args, policy, batch, rows, no_grad_logp[rows - minibatch[0]])
             # the ratio's old policy: on-policy (one minibatch, no lag) sg[logp], so the ratio is
             # exactly 1; else mu, the policy that sampled
             on_policy = args.minibatches == 1 and not args.async_lag
@@ -272,7 +271,7 @@ def update(args, policy, optimizer, batch, minibatch, first):
                 # off-policy
                 kl_loss = kl.off_policy_kl_loss(logp, batch.behaviour_logp[rows],
                                                 batch.ref_logp[rows], mask[rows], args.beta,
-                                                num_tokens, weight_cap, weight_normalizer)
+                                                num_tokens, log_weight_cap, log_weight_normalizer)
             else:
                 # Table 1: K1-in-loss, K3-in-loss, both (--place loss; both adds the reward's
                 # term): beta * sum_t KL_t / num_tokens, its gradient path-wise (eq. 9); else 0
@@ -299,16 +298,16 @@ def minibatch_logprobs(args, policy, batch, minibatch, first):
         by_segments=args.by_segments)[0]
 
 
-def gradient_logprobs(args, policy, batch, rows, exact_logp):
+def gradient_logprobs(args, policy, batch, rows, no_grad_logp):
     """log pi(y_t | x, y<t) of the rows with a gradient, computed in --dtype (bf16 autocast where
-    the device has it) and valued at exact_logp, the --logprob-dtype pass: logp + sg[exact - logp],
+    the device has it) and valued at no_grad_logp, the --logprob-dtype pass: logp + sg[exact - logp],
     so the losses' values are exact and only the gradient's direction carries --dtype's rounding."""
     dtype, logprob_dtype = compute_dtypes(args, batch)
     logp, _ = logprobs.token_logprobs(policy, [batch.prompts[r] for r in rows], batch.tokens[rows],
                                       batch.mask[rows], args.temperature, dtype,
                                       by_segments=args.by_segments)
-    if dtype != logprob_dtype:  # exact_logp's values, this pass's gradient
-        logp = logp + (exact_logp - logp).detach()
+    if dtype != logprob_dtype:  # no_grad_logp's values, this pass's gradient
+        logp = logp + (no_grad_logp - logp).detach()
     return logp
 
 
@@ -318,14 +317,14 @@ def compute_dtypes(args, batch):
             runtime.logprob_dtype(args.logprob_dtype, batch.tokens.device))
 
 
-def is_weight_bounds(args, batch, minibatch, exact_logp):
+def is_weight_bounds(args, batch, minibatch, no_grad_logp):
     """--place weighted's w = prod_t pi/mu: (log of its cap, log of its normalizer). Capped at e^30
     (exact) or at C (truncated); --is-weight self-normalized divides it by mean_j w_j over the
     minibatch on all ranks (else log 1 = 0)."""
     max_log_w = math.log(args.is_cap) if args.is_weight == "truncated" else kl.MAX_LOG_W
     if args.place != "weighted" or args.is_weight != "self-normalized":
         return max_log_w, 0.0
-    log_w = kl.log_importance_weights(exact_logp, batch.behaviour_logp[minibatch],
+    log_w = kl.log_importance_weights(no_grad_logp, batch.behaviour_logp[minibatch],
                                       batch.mask[minibatch])
     return max_log_w, importance_weights(log_w, batch.tokens.device)["log_mean_w"]
 
@@ -405,7 +404,7 @@ def reference_model(args, device):
     return runtime.shard(reference) if args.fsdp else reference.to(device)
 
 
-def evaluate_pass1(args, sampler, tokenizer, eval_sets, batch_size, rank, world_size):
+def evaluate_pass1(args, sampler, decoder, tokenizer, eval_sets, batch_size, rank, world_size):
     """Pass@1 on each --eval-tasks set (eval.evaluate, one sample each), as metrics.jsonl keys."""
     from eval import evaluate  # here: only runs with --eval-every need it
 
@@ -414,7 +413,8 @@ def evaluate_pass1(args, sampler, tokenizer, eval_sets, batch_size, rank, world_
         result, _ = evaluate(sampler, tokenizer, examples, samples=1,
                              max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_p=args.top_p, batch_size=batch_size, seed=args.seed, rank=rank,
-                             world_size=world_size, generate_rows=args.generate_rows)
+                             world_size=world_size, generate_rows=args.generate_rows,
+                             decoder=decoder)
         row.update({f"eval/{Path(name).stem}/{key}": result[key]
                     for key in ("accuracy", "stderr", "pass@1", "n")})
     return row

@@ -1,10 +1,13 @@
-"""The sampler's GPU speed machinery: rollout.decode_step, the same computation, made fast.
+"""The sampler's GPU speed machinery: rollout.sample_step, the same computation, made fast.
 
-rollout.py's decode_rows wraps its forward and step at one call site with fast (as gpt-fast wraps
-its decode_one_token with torch.compile(mode="reduce-overhead")); rollout.py runs without this module
-(CPU, debugging). On a GPU a decode step is many small kernels, each launched from Python, which
-the GPU runs faster than Python launches them. What this module does about it, each measured in
-docs/benchmarks.md:
+It wraps rollout.py's forward and step, never copies them: rollout.forward's one layer loop runs
+this module's parts (attention_setup, decoder_layer, rms_norm), and `decoder` hands the wrapped
+forward and step to rollout.generate, chosen once where the sampler is made
+(runtime.sampler_decoder), as gpt-fast rebinds its decode_one_token to torch.compile(
+decode_one_token, mode="reduce-overhead") in main(). rollout.py imports nothing from here; a CPU
+samples with rollout.py's own parts. On a GPU a decode step is many small kernels, each launched
+from Python, which the GPU runs faster than Python launches them. What this module does about it,
+each measured in docs/benchmarks.md:
 - CUDA graphs (capture, capture_stream): the step, which reads and writes only rollout.Decoding's
   tensors in place and never syncs with the host, is captured once per attention span and
   replayed; the span is a multiple of rollout.SPAN_BUCKET, so one graph serves that many steps.
@@ -23,7 +26,7 @@ docs/benchmarks.md:
   blocks of FLEX_BLOCK slots (flex_block_mask), with no host sync.
 - Inverse-CDF sampling by blocks of CDF_BLOCK tokens (inverse_cdf), the same tokens as rollout's
   one float64 cumsum up to float64 rounding, for a fraction of its memory traffic.
-Every one computes what rollout.py's plain step computes: tests/test_static_decode.py,
+Every one computes what rollout.py's own step computes: tests/test_static_decode.py,
 tests/test_cuda_paths.py (the flash branch against a CPU stand-in, the flex branch on the CPU) and
 tests/test_gpu.py.
 """
@@ -39,14 +42,15 @@ CDF_BLOCK = 1024  # inverse_cdf's blocks of tokens: it sums the blocks, then cum
 FLEX_BLOCK = 64  # flex_attention's blocks of slots: a row reads the blocks its slots lie in
 
 
-# ---------------------------------------------------------------- the one call site's wrapper
-def fast(model, compiled=False, cuda_graphs=True):
-    """(forward, step): rollout.forward and rollout.decode_step made fast, for one generate's rows
-    of `model`. forward: this module's (fused projections where fuse_projections joined them, fused
-    norms, flash-attn where flash_choice says so), for the prefill. step: the same forward (with
-    FlexAttention where attention_choice says so) and inverse_cdf by blocks, compiled first with
-    `compiled`, and on CUDA captured as a CUDA graph per span and replayed (cuda_graphs=False runs
-    it eagerly, to debug)."""
+# ---------------------------------------------------------------- the decoder generate takes
+def decoder(model, compiled=False, cuda_graphs=True):
+    """(forward, step) for one generate's rows of `model`: rollout.forward and rollout.sample_step
+    with this module's parts. forward, for the prefill: fused projections where fuse_projections
+    joined them, fused norms, flash-attn where flash_choice says so. step: the same forward (with
+    FlexAttention where attention_choice says so) and inverse_cdf by blocks, its layers compiled
+    with `compiled`, and on CUDA captured as a CUDA graph per span and replayed (cuda_graphs=False
+    runs it eagerly, to debug). rollout.generate takes it as its `decoder` (with `compiled` and
+    `cuda_graphs` bound: systems/runtime.sampler_decoder)."""
     check_fused(model)
     param = next(model.parameters())
     attention = attention_choice(param.device, param.dtype)[0]
@@ -67,12 +71,13 @@ def fast(model, compiled=False, cuda_graphs=True):
 
 
 @torch.no_grad()
-def static_step(model, cache, state, span, flash=False, flex=False, layer_fn=None):
-    """rollout.decode_step through this module's decode (its layers through `layer_fn` where given:
-    decoder_layer with compiled_step's compiled regions) and block inverse CDF: every row feeds its
+def static_step(model, cache, state, span, flash=False, flex=False, regions=(None, None)):
+    """rollout.sample_step through this module's forward (`regions`: compiled_step's compiled
+    forms of attention_inputs_of and layer_output) and block inverse CDF: every row feeds its
     last token and samples its next one, no host sync."""
-    rollout.take(decode(model, state.tokens, cache, span, flash, flex, layer_fn), state,
-                 draw=inverse_cdf)
+    rollout.sample_step(model, cache, state, span,
+                        functools.partial(forward, flash=flash, flex=flex, regions=regions),
+                        draw=inverse_cdf)
 
 
 @functools.cache
@@ -95,8 +100,7 @@ def compiled_step(backend="inductor"):
         # the norms' eps as constants (symbolic, the graph would read each from a tensor)
         return torch._dynamo.config.patch(specialize_float=True)(region)
     regions = (compiled(attention_inputs_of), compiled(layer_output))
-    return functools.partial(static_step, layer_fn=functools.partial(decoder_layer,
-                                                                     regions=regions))
+    return functools.partial(static_step, regions=regions)
 
 
 @functools.cache
@@ -122,52 +126,51 @@ def capture(step, pool, stream):
     return graph
 
 
-# ---------------------------------------------------------------- the GPU's forward
-def decode(model, tokens, cache, span, flash=False, flex=False, layer_fn=None):
+# ---------------------------------------------------------------- the GPU's parts of forward
+def decode(model, tokens, cache, span, flash=False, flex=False):
     """rollout.decode through this module's forward: next-token logits (rows, V), float32."""
-    hidden = forward(model, tokens[:, None], cache, span, flash, flex, layer_fn)
-    return model.lm_head(hidden[:, 0]).float()
+    return rollout.decode(model, tokens, cache, span,
+                          functools.partial(forward, flash=flash, flex=flex))
 
 
-def forward(model, input_ids, cache, span, flash=False, flex=False, layer_fn=None):
-    """rollout.forward in fewer kernels: the same decoder over input_ids (n, L) for the n cache
-    rows, K/V appended after seqlens (a prefill's bucket, or a decode step). SDPA reads slots
-    0..span-1 of every row; flash and flex (span unused) each row's own seqlens + L (flex: rounded
-    up to whole FLEX_BLOCKs). Each layer runs decoder_layer, or `layer_fn` (compiled_step's: with
-    its compiled regions)."""
-    base = model.model
-    n, L = input_ids.shape
-    start = cache.seqlens
-    positions = start[:, None].long() + torch.arange(L, device=input_ids.device)
+def forward(model, input_ids, cache, span, flash=False, flex=False, regions=(None, None)):
+    """rollout.forward (its one layer loop) with this module's parts: attention_setup's mask and
+    sin, decoder_layer for each layer, rms_norm for the last norm. SDPA reads slots 0..span-1 of
+    every row; flash and flex (span unused) each row's own seqlens + L (flex: rounded up to whole
+    FLEX_BLOCKs)."""
+    return rollout.forward(
+        model, input_ids, cache, span,
+        setup_fn=functools.partial(attention_setup, flash=flash, flex=flex),
+        layer_fn=functools.partial(decoder_layer, flash=flash, flex=flex, regions=regions),
+        norm_fn=rms_norm)
+
+
+def attention_setup(model, cache, positions, span, cos, sin, flash=False, flex=False):
+    """rollout.attention_setup for this module's attention: the mask (SDPA's causal bias, flex's
+    block mask, or for flash the rows' filled slots, cache.seqlens, which it masks by), and sin
+    with rope's sign folded in (signed_sin)."""
     groups = model.config.num_attention_heads // model.config.num_key_value_heads
-    mask = None  # flash masks by itself
-    if flex:
+    if flash:
+        mask = cache.seqlens
+    elif flex:
         mask = flex_block_mask(positions, groups, cache.k.shape[2])
-    elif not flash:
+    else:
         mask = rollout.causal_bias(positions, span, groups, cache.k.dtype)
-    # (n * L, hidden): 2-D matmuls, fewer ops; not a view (each layer's x is its own tensor)
-    x = base.embed_tokens(input_ids.flatten())
-    cos, sin = base.rotary_emb(x, positions)  # the model's own rope, scaling included
-    cos, sin = cos[:, :, None], signed_sin(sin)[:, :, None]  # (n, L, 1, head_dim): over the heads
-    for i, layer in enumerate(base.layers):
-        x = (layer_fn or decoder_layer)(layer, x, cache.k[i], cache.v[i], start, positions, cos,
-                                        sin, mask, flash, flex)
-    cache.seqlens += L
-    return rms_norm(base.norm, x).view(n, L, -1)
+    return mask, cos, signed_sin(sin)
 
 
-def decoder_layer(layer, x, k_cache, v_cache, start, positions, cos, sin, mask, flash=False,
-                  flex=False, regions=(None, None)):
-    """One decoder layer on the hidden states x (n * L, hidden) of positions (n, L): attention,
-    its K/V written into this layer's cache rows k_cache, v_cache (n, max_len, kv_heads,
-    head_dim) after start (seqlens), then the MLP, each with its residual. `mask`: SDPA's causal
-    bias, flex's block mask, None for flash. `regions`: the compiled forms of attention_inputs_of
-    and layer_output (compiled_step), each compiled once for every layer."""
+def decoder_layer(layer, x, k_cache, v_cache, positions, mask, cos, sin, flash=False, flex=False,
+                  regions=(None, None)):
+    """rollout.decoder_layer in fewer kernels: attention, its K/V written into this layer's cache
+    rows k_cache, v_cache (n, max_len, kv_heads, head_dim) at positions (n, L), then the MLP,
+    each with its residual, written into x. `mask`: attention_setup's. `regions`: the compiled
+    forms of attention_inputs_of and layer_output (compiled_step), each compiled once for every
+    layer."""
     inputs, output = regions
     q, k, v = (inputs or attention_inputs_of)(layer, x, cos, sin)
     attn = layer.self_attn
     if flash:
-        out = flash_attention(q, k, v, k_cache, v_cache, start, attn.scaling)
+        out = flash_attention(q, k, v, k_cache, v_cache, mask, attn.scaling)
     elif flex:
         out = flex_attention(q, k, v, k_cache, v_cache, positions, mask, attn.scaling)
     else:

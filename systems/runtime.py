@@ -11,7 +11,10 @@
   Every rank calls them at the same point, so a rank never stops alone and leaves the others waiting
   in a collective.
 - `make_sampler`, `release_sampler`, `refresh_sampler`: the compute-dtype copy of the policy that
-  rollout.generate samples from, its memory given to the training pass in between.
+  rollout.generate samples from, its memory given to the training pass in between;
+  `sampler_decoder`, the decoder it samples with on this device (the GPU's machinery, or
+  rollout's own).
+- `resolve_device_defaults`: the features a GPU run has yet to decide, resolved in one place.
 - `wrap` / `unwrap`: the policy under DDP or FSDP2 (`shard`), and the plain model inside it;
   `no_dropout` for the train mode that activation checkpointing needs; `checkpoint_activations`
   applies --recompute (systems/recompute.py).
@@ -19,6 +22,7 @@
 """
 import copy
 import ctypes
+import functools
 import os
 import sys
 
@@ -104,6 +108,18 @@ CUDA_RECOMPUTE = "full"
 # one computation: nowhere until a GPU has timed it (the rule that adds "cuda" is registered in
 # docs/benchmarks.md, "attention by sequences"); a CPU keeps the block mask (studies/sequences-cpu)
 BY_SEQUENCES_ON = ()
+
+
+def resolve_device_defaults(args, device):
+    """Resolve in `args` what waits for a GPU run's verdict (the rules in docs/benchmarks.md): the
+    compiled sampler (--compile-sampler unset: COMPILED_SAMPLER_ON), attention by sequences in
+    every pass (BY_SEQUENCES_ON: args.by_segments) and --recompute auto (recompute_choice); the
+    sampler's FlexAttention (FLEX_DECODE_ON) is cuda_decode.attention_choice's. Each is off on
+    every device until a GPU run turns it on."""
+    if args.compile_sampler is None:
+        args.compile_sampler = device.type in COMPILED_SAMPLER_ON
+    args.recompute = recompute_choice(args.recompute, device)
+    args.by_segments = device.type in BY_SEQUENCES_ON
 
 
 # --generate-rows auto: the share of the GPU memory free when a rollout starts that its KV cache may
@@ -306,6 +322,18 @@ def make_sampler(policy, device, dtype, fsdp):
     if device.type in FUSED_PROJECTIONS_ON:
         cuda_decode.fuse_projections(sampler)
     return sampler
+
+
+def sampler_decoder(device, compiled=False):
+    """The decoder rollout.generate samples with on `device`, chosen once where the sampler is made
+    (gpt-fast rebinds its decode step in main()): the GPU's machinery (cuda_decode.decoder: CUDA
+    graphs, fused weights, flash-attn) on CUDA, and wherever the step is compiled (--compile-
+    sampler); rollout's own forward and step elsewhere, a CPU's default."""
+    import rollout
+
+    if device.type == "cuda" or compiled:
+        return functools.partial(cuda_decode.decoder, compiled=compiled)
+    return rollout.own_decoder
 
 
 def release_sampler(sampler, policy):

@@ -192,6 +192,21 @@ def evaluate(model, tokenizer, examples, samples=1, max_new_tokens=1024, tempera
     return summarize(records), records
 
 
+def pass1_row(args, sampler, decoder, tokenizer, eval_sets, batch_size, rank, world_size):
+    """train.py --eval-every: Pass@1 on each --eval-tasks set (`evaluate`, one sample each) with
+    train.py's sampler and decoder, as metrics.jsonl keys."""
+    row = {}
+    for name, examples in eval_sets.items():
+        result, _ = evaluate(sampler, tokenizer, examples, samples=1,
+                             max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             top_p=args.top_p, batch_size=batch_size, seed=args.seed, rank=rank,
+                             world_size=world_size, generate_rows=args.generate_rows,
+                             decoder=decoder)
+        row.update({f"eval/{Path(name).stem}/{key}": result[key]
+                    for key in ("accuracy", "stderr", "pass@1", "n")})
+    return row
+
+
 def main(argv=None):
     args = parser.parse_args(argv)
     if args.samples < 1 or args.batch_size < 1:

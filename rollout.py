@@ -16,12 +16,9 @@ What the paper needs:
 How: we reuse the Hugging Face model's modules and weights (Llama, Qwen2 and Qwen3 families) and
 write only the attention over a preallocated cache. Prefill runs each distinct prompt once (the
 trainer passes each prompt G times); then one decode loop runs every row every step, a finished
-row writing padding (gpt-fast's fixed shape: nothing in a step waits for the host; nanochat's
-engine also steps every row, but reads each step's tokens back to the host).
-This file's loop is the one every device runs. A GPU's speed machinery (systems/cuda_decode.py:
-CUDA graphs, torch.compile, fused projections, flash-attn) wraps its forward and step and comes
-in as generate's `decoder`, chosen where the sampler is made, as gpt-fast rebinds its
-decode_one_token in main(); this file imports nothing from systems/.
+row writing padding (gpt-fast's fixed shape: nothing in a step waits for the host). Every device
+runs this loop: a GPU's machinery (systems/cuda_decode.py) wraps its forward and step and comes in
+as generate's `decoder`; this file imports nothing from systems/.
 """
 import math
 from dataclasses import dataclass
@@ -317,11 +314,11 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_tok
              generator=None, max_rows=None, decoder=own_decoder):
     """Sample one response per prompt (a list of token-id lists). `eos_token_id`: int, list or None
     (then exactly max_new_tokens tokens per row). `generator`: a torch.Generator on the model's
-    device. `max_rows`: decode at most this many rows at a time (their KV cache is what takes the
-    memory: kv_bytes); every row still draws the uniforms of its own index, so the samples are
-    those of one call, up to float rounding. `decoder`: a function of the model giving (forward,
-    step) for each batch of rows, own_decoder or a device's, chosen where the sampler is made
-    (systems/runtime.sampler_decoder): the same samples up to float rounding."""
+    device. `max_rows`: decode at most this many rows at a time (their KV cache takes the memory);
+    every row still draws the uniforms of its own index, so the samples are those of one call, up
+    to float rounding. `decoder`: a function of the model giving (forward, step) for each batch of
+    rows, own_decoder or a device's (systems/runtime.sampler_decoder, where the sampler is made):
+    the same samples up to float rounding."""
     check_model(model)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
@@ -375,10 +372,3 @@ def cache_shape(model, num_rows, max_len):
     config = model.config
     return (config.num_hidden_layers, num_rows, max_len, config.num_key_value_heads,
             model.model.layers[0].self_attn.head_dim)
-
-
-def kv_bytes(model, num_rows, max_len):
-    """Bytes of the KV cache cache_for_prompts allocates for num_rows rows of max_len slots (K and
-    V, every layer, in the model's dtype)."""
-    return 2 * math.prod(cache_shape(model, num_rows, max_len)) * next(
-        model.parameters()).element_size()

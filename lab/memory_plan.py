@@ -260,8 +260,8 @@ def traced_sampling(config, dtype, rows, distinct, prompt_tokens, max_new_tokens
     of the call's `distinct` prompts (its next-token logits included), and a decode step (over all
     `rows` at the longest span, sampling included), both on `cuda` as CUDA runs them
     (cuda_decode's forward and static_step), else rollout's own, beside a KV cache of `rows` x
-    (prompt_tokens + max_new_tokens) slots that is not counted here; `fused`: the projections fused, as
-    runtime.make_sampler's copy has them; `cuda`: the norms as CUDA's fused kernel allocates
+    (prompt_tokens + max_new_tokens) slots that is not counted here; `fused`: the projections
+    fused, as runtime.make_sampler's copy has them; `cuda`: the norms as CUDA's fused kernel allocates
     them."""
     norms = cuda_rms_norm() if cuda else contextlib.nullcontext()
     with FakeTensorMode(allow_non_fake_inputs=True), norms:
@@ -365,7 +365,7 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device, every_recompute=False):
         # sampler's capture stream (cuda_decode.capture_stream)
         resident["cuBLAS's workspaces, 3 streams"] = 3 * CUBLAS_WORKSPACE
     sampler = size * params if fsdp or size != 4 else 0
-    kv_row = 2 * math.prod(rollout.cache_shape(meta, 1, slots)) * size  # rollout.kv_bytes, K and V
+    kv_row = 2 * math.prod(rollout.cache_shape(meta, 1, slots)) * size  # runtime.kv_bytes, K and V
     call_rows = min(flags.generate_rows or rows, rows)
     if device == "cuda" and not flags.generate_rows:  # runtime.rows_that_fit, free memory then
         free = gpu_bytes - sum(resident.values()) - sampler

@@ -23,6 +23,7 @@
 import copy
 import ctypes
 import functools
+import math
 import os
 import sys
 
@@ -110,6 +111,20 @@ CUDA_RECOMPUTE = "full"
 BY_SEQUENCES_ON = ()
 
 
+def describe_run(args, policy, world_size, device, dtype, examples, resume_from):
+    """train.py's first line(s): the model, the ranks and device, the compute dtype, the task, the
+    configuration, the resume; on CUDA also what the sampler will attend with, by its rule."""
+    num_params = sum(p.numel() for p in unwrap(policy).parameters())
+    line = (f"{args.model}: {num_params / 1e6:.0f}M parameters on {world_size} x {device.type}, "
+            f"{str(dtype)[6:]} compute, {args.task} ({len(examples)} problems), "
+            f"{args.kl}-in-{args.place} beta={args.beta}"
+            + (f", resuming {resume_from}" if resume_from else
+               ", no checkpoint to resume" if args.resume else ""))
+    if device.type == "cuda":
+        line += "\n" + cuda_decode.attention_choice(device, dtype)[1]
+    return line
+
+
 def resolve_device_defaults(args, device):
     """Resolve in `args` what waits for a GPU run's verdict (the rules in docs/benchmarks.md): the
     compiled sampler (--compile-sampler unset: COMPILED_SAMPLER_ON), attention by sequences in
@@ -130,13 +145,20 @@ KV_SHARE = 0.5
 def rows_that_fit(sampler, prompts, max_new_tokens):
     """--generate-rows auto: on CUDA, how many rows' KV caches (the longest prompt + max_new_tokens
     slots each) fit in KV_SHARE of the memory free now; None on a CPU (all rows at once)."""
-    import rollout
-
     device = next(sampler.parameters()).device
     if device.type != "cuda":
         return None
-    per_row = rollout.kv_bytes(sampler, 1, max(map(len, prompts)) + max_new_tokens)
+    per_row = kv_bytes(sampler, 1, max(map(len, prompts)) + max_new_tokens)
     return max(1, int(KV_SHARE * cuda_free_for_tensors(device) // per_row))
+
+
+def kv_bytes(model, num_rows, max_len):
+    """Bytes of the KV cache rollout.cache_for_prompts allocates for num_rows rows of max_len slots
+    (K and V, every layer, in the model's dtype)."""
+    import rollout
+
+    return 2 * math.prod(rollout.cache_shape(model, num_rows, max_len)) * next(
+        model.parameters()).element_size()
 
 
 def cuda_free_for_tensors(device):
@@ -162,6 +184,12 @@ def bf16x6_cannot_run(device, capability=None):
         return (f"--logprob-dtype bf16x6 needs torch.mm's out_dtype on CUDA (torch 2.8 or later), "
                 f"this is {torch.__version__}: use --logprob-dtype float32 (auto picks it here)")
     return None
+
+
+def pass_dtypes(args, device):
+    """(--dtype, --logprob-dtype) as train.py's main resolved them: the gradient pass's, the
+    no-grad ones'."""
+    return getattr(torch, args.dtype), logprob_dtype(args.logprob_dtype, device)
 
 
 def logprob_dtype(name, device, capability=None):

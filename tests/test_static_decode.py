@@ -238,7 +238,7 @@ def test_kv_bytes_is_the_cache_prefilled_allocates(family):
     model = tiny_model(family).to(torch.bfloat16)
     cache, _, _ = rollout.cache_for_prompts(model, MIXED, 7)
     allocated = sum(t.numel() * t.element_size() for t in (cache.k, cache.v))
-    assert rollout.kv_bytes(model, len(MIXED), max(map(len, MIXED)) + 7) == allocated
+    assert runtime.kv_bytes(model, len(MIXED), max(map(len, MIXED)) + 7) == allocated
 
 
 # ---------------------------------------------------------------- what a CUDA graph needs

@@ -234,7 +234,7 @@ def test_rows_in_chunks_are_the_samples_of_one_call(decoder):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_kv_bytes_is_the_cache_prefilled_allocates(family):
     """kv_bytes, which --generate-rows auto divides the free GPU memory by, counts exactly the K
-    and V tensors prefilled() allocates (grouped-query heads, the model's dtype)."""
+    and V tensors cache_for_prompts allocates (grouped-query heads, the model's dtype)."""
     model = tiny_model(family).to(torch.bfloat16)
     cache, _, _ = rollout.cache_for_prompts(model, MIXED, 7)
     allocated = sum(t.numel() * t.element_size() for t in (cache.k, cache.v))

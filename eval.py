@@ -1,10 +1,13 @@
-"""Evaluation: mean@k accuracy on verifiable tasks, the paper's protocol (sec. 4, app. B).
+"""Evaluation: mean@k accuracy on verifiable tasks, the paper's protocol (sec. 4.1, app. B).
 
 The paper samples k = 32 answers per problem at temperature 1.0, top-p 1.0, with the default chat
 template, scores each with the verifiable reward R = 1[Extract(y) = y*] (sec. 2), and reports
-mean@32 on MATH500, MATH^2 and the MMLU college physics/chemistry/biology subsets (Fig. 5-6); during
-training it reports Pass@1 on a held-out set (Fig. 2-4). Both are `evaluate` below;
-`train.py --eval-every` calls it with samples=1.
+mean@32 on MATH500, MATH^2 and the MMLU college physics/chemistry/biology subsets (Fig. 5-6),
+"across 3 seeds" (sec. 4.1): one run here is one seed (--seed), three runs make the paper's.
+During training it reports Pass@1 on a held-out set (Fig. 2-4). Both are `evaluate` below;
+`train.py --eval-every` calls it with samples=1. App. B also lists vLLM's min_p = 1.0, which read
+literally keeps only the most likely token (greedy decoding); we apply no min-p filter, as its
+temperature 1.0 and 32 samples per problem suggest the paper did not either (our inference).
 
 Metrics, for n problems with k samples each, c_i of which are correct on problem i
 (correct: reward == 1):
@@ -144,10 +147,12 @@ def batch_seed(seed, b):
 
 
 def evaluate(model, tokenizer, examples, samples=1, max_new_tokens=1024, temperature=1.0, top_p=1.0,
-             batch_size=16, chat_template=True, seed=0, rank=0, world_size=1, generate_rows=0):
+             batch_size=16, chat_template=True, seed=0, rank=0, world_size=1, generate_rows=0,
+             decoder=None):
     """Sample `samples` completions per example, score them, return (metrics, completion records).
     `generate_rows`: rows one generate call decodes at a time, the same samples (0: as many as fit,
-    runtime.rows_that_fit, a whole batch on a CPU; train.py's --generate-rows).
+    runtime.rows_that_fit, a whole batch on a CPU; train.py's --generate-rows). `decoder`:
+    rollout.generate's (None: the device's, runtime.sampler_decoder; train.py passes its own).
 
     Every rank must call this with the same arguments (it all-gathers); all ranks return the same
     result. Pass a plain model (model.module under DDP). chat_template=False: plain
@@ -164,6 +169,7 @@ def evaluate(model, tokenizer, examples, samples=1, max_new_tokens=1024, tempera
     pairs = [(i, j) for i in range(len(examples)) for j in range(samples)]
     batches = [pairs[start:start + batch_size] for start in range(0, len(pairs), batch_size)]
     device = next(model.parameters()).device
+    decoder = decoder or runtime.sampler_decoder(device)
     # EOS and the template's end of turn, plain prompts too
     eos_token_id = stop_token_ids(model, tokenizer)
     records = []
@@ -174,7 +180,7 @@ def evaluate(model, tokenizer, examples, samples=1, max_new_tokens=1024, tempera
         max_rows = generate_rows or runtime.rows_that_fit(model, batch_prompts, max_new_tokens)
         with torch.no_grad():
             rollout = generate(model, batch_prompts, max_new_tokens, temperature, top_p,
-                               eos_token_id, generator, max_rows=max_rows)
+                               eos_token_id, generator, max_rows=max_rows, decoder=decoder)
         for (i, j), ids in zip(batches[b], rollout.response_ids):
             completion = tokenizer.decode(ids, skip_special_tokens=True)
             records.append(completion_record(examples[i], i, j, completion))
@@ -184,6 +190,21 @@ def evaluate(model, tokenizer, examples, samples=1, max_new_tokens=1024, tempera
         records = [record for part in gathered for record in part]
     records.sort(key=lambda record: (record["index"], record["sample"]))
     return summarize(records), records
+
+
+def pass1_row(args, sampler, decoder, tokenizer, eval_sets, batch_size, rank, world_size):
+    """train.py --eval-every: Pass@1 on each --eval-tasks set (`evaluate`, one sample each) with
+    train.py's sampler and decoder, as metrics.jsonl keys."""
+    row = {}
+    for name, examples in eval_sets.items():
+        result, _ = evaluate(sampler, tokenizer, examples, samples=1,
+                             max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             top_p=args.top_p, batch_size=batch_size, seed=args.seed, rank=rank,
+                             world_size=world_size, generate_rows=args.generate_rows,
+                             decoder=decoder)
+        row.update({f"eval/{Path(name).stem}/{key}": result[key]
+                    for key in ("accuracy", "stderr", "pass@1", "n")})
+    return row
 
 
 def main(argv=None):

@@ -1,5 +1,6 @@
 """train.py's flags: its argparse parser, grouped as the paper's sections, and check_flags, which
-names the first bad one in a line. Each flag's help says what the paper used (sec. 4.1, app. B);
+names the first bad one in a line. Where the paper gives a flag's value, its help names it
+("paper: ...", from sec. 4.1, 4.2 and app. B); the other flags are ours or verl's defaults.
 docs/gpu.md has the paper's recipe as a command.
 """
 import argparse
@@ -42,7 +43,7 @@ group.add_argument("--prompts-per-step", type=int, default=8,
                         "256, read as prompts: verl's convention, each sampled --group-size times)")
 group.add_argument("--minibatches", type=int, default=1,
                    help="optimizer steps per sampled batch: 1 = on-policy (paper), "
-                        "4 = off-policy (Fig. 2)")
+                        "4 = off-policy (Fig. 2 centre)")
 group.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate (paper: 1e-6)")
 group.add_argument("--clip-eps", type=float, default=0.2,
                    help="PPO clip range of the ratio (eq. 4; verl's default)")

@@ -77,13 +77,13 @@ def estimate(logp, ref_logp, kind, clamp="none"):
     if clamp not in CLAMPS:
         raise ValueError(f"unknown KL clamp {clamp!r}: choose one of {', '.join(CLAMPS)}")
     if kind == "k1":
-        # Table 1's K1 (K1-in-reward, K1-in-loss)
+        # Table 1: K1-in-reward, K1-in-loss, both (their estimator, K1)
         # eq. 11: K1_t = log pi - log pi_ref
         return logp - ref_logp
     if kind == "k2":
         # K2_t = 1/2 (log pi - log pi_ref)^2
         return 0.5 * (logp - ref_logp) ** 2
-    # Table 1's K3 (K3-in-reward, K3-in-loss)
+    # Table 1: K3-in-reward, K3-in-loss, both (their estimator, K3)
     # eq. 14: K3_t = r - 1 - log r, written as expm1(log r) - log r: exact when r ~ 1, and >= 0
     log_r = ref_logp - logp
     if clamp == "verl":
@@ -101,7 +101,7 @@ def shape_rewards(scores, logp, ref_logp, mask, kind, place, beta, clamp="none")
     if place not in ("reward", "both"):
         return scores.detach()
     kl = estimate(logp.detach(), ref_logp.detach(), kind, clamp)
-    # Table 1: K1-in-reward, K3-in-reward (and the reward's half of --place both)
+    # Table 1: K1-in-reward, K3-in-reward, both (the reward's half)
     # eq. 7: R - beta * sum_t sg[KL_t]
     return (scores - beta * (mask * kl).sum(-1)).detach()
 
@@ -113,31 +113,21 @@ def kl_loss(logp, ref_logp, mask, kind, place, beta, num_tokens, clamp="none"):
     if place not in ("loss", "both"):
         return logp.new_zeros(())
     kl = estimate(logp, ref_logp.detach(), kind, clamp)
-    # Table 1: K1-in-loss, K3-in-loss (and the loss's half of --place both)
+    # Table 1: K1-in-loss, K3-in-loss, both (the loss's half)
     # eq. 9: the path-wise term, beta * sum_t grad KL_t, token-normalized like the policy loss
     return beta * (mask * kl).sum() / num_tokens
 
 
 def off_policy_kl_loss(logp, behaviour_logp, ref_logp, mask, beta, num_tokens,
                        max_log_w=MAX_LOG_W, log_normalizer=0.0):
-    """The KL term for samples of a behaviour policy mu != pi: beta sum_i w_i sg[K1_i] / num_tokens.
-
-    w_i = prod_t pi/mu over sequence i's tokens is the sequence-level importance weight; K1_i =
-    sum_t log pi/pi_ref is detached. E_mu[w K1] = E_pi[K1] = KL, and grad (w sg[K1]) = w K1 grad
-    log pi(y), whose expectation under mu is E_pi[K1 grad log pi(y)] = grad KL(pi || pi_ref):
-    unbiased off-policy, where every configuration of Table 1 is biased (test_kl.py enumerates
-    both). On-policy (mu = pi) its gradient is K1-in-reward's. `mask` may carry weights; w uses
-    mask > 0.
-
-    w is taken from log w in float64 and enters as sg[w] exp(log w - sg[log w]): the value w, the
-    gradient w grad log pi(y), and no exp(log w) that can overflow. Its variance controls
-    (train.py's --is-weight; their bias on the toy model: docs/toy.md):
-      max_log_w       w capped at e^max_log_w. The default MAX_LOG_W keeps one sequence's update
-                      finite in fp32 (a weight past it is an estimate no step could carry); log C
-                      is the truncated weight min(w, C), biased by E_mu[(w - C)+ K1 grad log pi].
-      log_normalizer  log of the batch's mean weight, for the self-normalized w_i / mean_j w_j
-                      (biased, consistent: O(1/n)); 0 for none.
-    """
+    """The KL term for samples of a behaviour policy mu != pi: beta sum_i w_i sg[K1_i] / num_tokens,
+    w_i = prod_t pi/mu over sequence i's tokens (mask > 0; `mask` may carry weights), K1_i = sum_t
+    log pi/pi_ref detached. Its expected gradient under mu is E_pi[K1 grad log pi(y)] = grad KL:
+    unbiased off-policy, where Table 1's configurations are biased (test_kl.py enumerates both);
+    on-policy it is K1-in-reward's. `max_log_w`: w capped at e^max_log_w (log C: the truncated
+    min(w, C)); `log_normalizer`: log of the batch's mean weight (self-normalized), 0 for none:
+    train.py's --is-weight, their biases in docs/training.md."""
+    # Table 1: weighted (beside the table): w sg[K1], its gradient unbiased off-policy
     log_w = log_importance_weights(logp, behaviour_logp, mask)
     k1 = (mask * (logp - ref_logp).detach()).sum(-1)
     w = (log_w.detach().double() - log_normalizer).clamp(max=max_log_w).exp()

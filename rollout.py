@@ -16,10 +16,9 @@ What the paper needs:
 How: we reuse the Hugging Face model's modules and weights (Llama, Qwen2 and Qwen3 families) and
 write only the attention over a preallocated cache. Prefill runs each distinct prompt once (the
 trainer passes each prompt G times); then one decode loop runs every row every step, a finished
-row writing padding (gpt-fast's and nanochat's fixed shape: nothing in a step waits for the host).
-At one call site (decode_rows) a device's speed machinery takes over, the same samples up to float
-rounding: on CUDA systems/cuda_decode.py (CUDA graphs, torch.compile, fused projections,
-flash-attn), on a CPU systems/compaction.py (finished rows leave the batch).
+row writing padding (gpt-fast's fixed shape: nothing in a step waits for the host). Every device
+runs this loop: a GPU's machinery (systems/cuda_decode.py) wraps its forward and step and comes in
+as generate's `decoder`; this file imports nothing from systems/.
 """
 import math
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 FAMILIES = ("llama", "qwen2", "qwen3")
-BUCKETS = 4  # the prefill splits the prompts into this many buckets of similar length
+PREFILL_BUCKETS = 4  # the prefill splits the prompts into this many buckets of similar length
 ALL_DONE_EVERY = 8  # the loop asks "all rows done?" (a host sync) every this many steps
 SPAN_BUCKET = 128  # a step attends over slots 0..span-1, span a multiple of this (one CUDA graph)
 
@@ -46,7 +45,7 @@ class Rollout:
         return [row[:n] for row, n in zip(self.tokens.tolist(), lengths)]
 
     @property
-    def logprobs(self):
+    def response_logprobs(self):
         lengths = self.response_mask.sum(1).long().tolist()
         return [row[:n] for row, n in zip(self.token_logprobs.tolist(), lengths)]
 
@@ -100,38 +99,57 @@ def rope(x, cos, sin):
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def forward(model, input_ids, cache, span):
+def forward(model, input_ids, cache, span, setup_fn=None, layer_fn=None, norm_fn=None):
     """Run the decoder on input_ids (n, L) for the n cache rows, appending their K/V after
-    seqlens and attending over slots 0..span-1. Returns the final hidden states (n, L, hidden)."""
-    base, config = model.model, model.config
+    seqlens and attending over slots 0..span-1. Returns the final hidden states (n, L, hidden).
+    The one layer loop of the project: a device's machinery (systems/cuda_decode.py) passes its
+    own forms of attention_setup, decoder_layer and the final norm (`setup_fn`, `layer_fn`,
+    `norm_fn`: fused weights, flash-attn or FlexAttention, compiled layers)."""
+    base = model.model
     n, L = input_ids.shape
     positions = cache.seqlens[:, None].long() + torch.arange(L, device=input_ids.device)
-    groups = config.num_attention_heads // config.num_key_value_heads
-    bias = causal_bias(positions, span, groups, cache.k.dtype)
     x = base.embed_tokens(input_ids).flatten(0, 1)  # (n * L, hidden): 2-D matmuls, fewer ops
     cos, sin = base.rotary_emb(x, positions)  # the model's own rope, scaling included
-    cos, sin = cos[:, :, None], sin[:, :, None]  # (n, L, 1, head_dim): over the heads
+    # (n, L, 1, head_dim): over the heads
+    mask, cos, sin = (setup_fn or attention_setup)(model, cache, positions, span,
+                                                   cos[:, :, None], sin[:, :, None])
     for i, layer in enumerate(base.layers):
-        attn, h = layer.self_attn, layer.input_layernorm(x)
-        q, k, v = (proj(h).view(n, L, -1, attn.head_dim)
-                   for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm on each head before rope
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        out = sdpa_attention(rope(q, cos, sin), rope(k, cos, sin), v, cache.k[i], cache.v[i],
-                             positions, bias, attn.scaling)
-        x = x + attn.o_proj(out.reshape(n * L, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = (layer_fn or decoder_layer)(layer, x, cache.k[i], cache.v[i], positions, mask, cos,
+                                        sin)
     cache.seqlens += L
-    return base.norm(x).view(n, L, -1)
+    return (norm_fn(base.norm, x) if norm_fn else base.norm(x)).view(n, L, -1)
 
 
-def prefill(model, prompts, cache, forward=forward):
-    """Run the prompts (one per cache row, longest first) through `forward`; return next-token
+def attention_setup(model, cache, positions, span, cos, sin):
+    """What every layer's attention reads: the causal bias over slots 0..span-1, and rope's cos
+    and sin as the model gives them."""
+    groups = model.config.num_attention_heads // model.config.num_key_value_heads
+    return causal_bias(positions, span, groups, cache.k.dtype), cos, sin
+
+
+def decoder_layer(layer, x, k_cache, v_cache, positions, bias, cos, sin):
+    """One decoder layer on the hidden states x (n * L, hidden) of positions (n, L): attention
+    (its K/V written into this layer's cache rows k_cache, v_cache), then the MLP, each with its
+    residual."""
+    n, L = positions.shape
+    attn, h = layer.self_attn, layer.input_layernorm(x)
+    q, k, v = (proj(h).view(n, L, -1, attn.head_dim)
+               for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm on each head before rope
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    out = sdpa_attention(rope(q, cos, sin), rope(k, cos, sin), v, k_cache, v_cache, positions,
+                         bias, attn.scaling)
+    x = x + attn.o_proj(out.reshape(n * L, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def prefill(model, prompts, cache, forward_fn=forward):
+    """Run the prompts (one per cache row, longest first) through `forward_fn`; return next-token
     logits (rows, V).
-    Each of BUCKETS buckets of rows is right-padded to its own longest prompt. Padding sits after
-    each prompt, so causal attention keeps it out of every real token's view; its K/V slots are
-    overwritten by decode, which writes at seqlens = the true prompt length."""
-    device, size = cache.seqlens.device, -(-len(prompts) // BUCKETS)
+    Each of PREFILL_BUCKETS buckets of rows is right-padded to its own longest prompt. Padding
+    sits after each prompt, so causal attention keeps it out of every real token's view; its K/V
+    slots are overwritten by decode, which writes at seqlens = the true prompt length."""
+    device, size = cache.seqlens.device, -(-len(prompts) // PREFILL_BUCKETS)
     logits = []
     for start in range(0, len(prompts), size):
         bucket = prompts[start:start + size]
@@ -142,24 +160,25 @@ def prefill(model, prompts, cache, forward=forward):
             input_ids[row, : len(prompt)] = torch.tensor(prompt, device=device)
         # the bucket's rows as a cache of their own: views, so forward writes into `cache`
         rows_cache = KVCache(cache.k[:, rows], cache.v[:, rows], cache.seqlens[rows])
-        hidden = forward(model, input_ids, rows_cache, span=input_ids.shape[1])
+        hidden = forward_fn(model, input_ids, rows_cache, span=input_ids.shape[1])
         cache.seqlens[rows] = lengths.int()
         last = hidden[torch.arange(len(bucket), device=device), lengths - 1]  # the last token's
         logits.append(model.lm_head(last).float())
     return torch.cat(logits)
 
 
-def decode(model, tokens, cache, span):
+def decode(model, tokens, cache, span, forward_fn=forward):
     """One step for every cache row: feed each row its last sampled token (tokens: (rows,)) after
     its cached slots, and return the next-token logits (rows, V), float32. Only the new token goes
-    through the model; the prefix is in the cache."""
-    hidden = forward(model, tokens[:, None], cache, span)
+    through the model (`forward_fn`); the prefix is in the cache."""
+    hidden = forward_fn(model, tokens[:, None], cache, span)
     return model.lm_head(hidden[:, 0]).float()
 
 
 def sample(logits, temperature, top_p, uniform, draw=None):
     """Draw one token per row with its uniform (n,) in [0, 1); return (tokens (n,), their log-probs
-    (n,) under the distribution sampled from). `draw`: inverse_cdf's stand-in (a GPU's)."""
+    (n,) under the distribution sampled from). `draw`: called in inverse_cdf's place, with its
+    arguments and results (a GPU's step passes one by blocks)."""
     if temperature == 0:
         return logits.argmax(-1), torch.zeros(len(logits), device=logits.device)
     # z / tau (at tau = 1 the division would change nothing: one kernel less a step)
@@ -176,9 +195,9 @@ def sample(logits, temperature, top_p, uniform, draw=None):
 
 
 def inverse_cdf(probs, uniform):
-    """Inverse-CDF sampling: each row's first token whose cumulative probability exceeds uniform *
-    total mass, the sums in float64 (so rare tokens keep their own rate). probs (n, V), uniform
-    (n,); returns (tokens (n, 1), total mass (n, 1)). (A GPU's is by blocks: cuda_decode.)"""
+    """Inverse-CDF sampling: each row's first token (in vocabulary order) whose cumulative
+    probability exceeds uniform * total mass, the sums in float64 (so rare tokens keep their own
+    rate). probs (n, V), uniform (n,); returns (tokens (n, 1), total mass (n, 1))."""
     cdf = probs.cumsum(-1, dtype=torch.float64)
     total = cdf[:, -1:]
     return (torch.searchsorted(cdf, uniform[:, None] * total, right=True)
@@ -212,7 +231,7 @@ def new_decoding(uniforms, eos, temperature, top_p):
                     eos=eos, temperature=temperature, top_p=top_p)
 
 
-def take(logits, state, draw=None):
+def record_sample(logits, state, draw=None):
     """Sample every row's token at state.step from logits (B, V) and record it; a finished row
     records padding (token 0, log-prob 0) and stays finished."""
     uniform = state.uniforms.index_select(1, state.step)[:, 0]
@@ -227,17 +246,17 @@ def take(logits, state, draw=None):
 
 
 @torch.no_grad()
-def decode_step(model, cache, state, span):
-    """One decode step: every row feeds its last token, reads `span` slots and samples its next
-    one. Same shapes every step, no host sync."""
-    take(decode(model, state.tokens, cache, span), state)
+def sample_step(model, cache, state, span, forward_fn=forward, draw=None):
+    """One step of the loop: every row feeds its last token, reads `span` slots and samples its
+    next one. Same shapes every step, no host sync."""
+    record_sample(decode(model, state.tokens, cache, span, forward_fn), state, draw)
 
 
 @torch.no_grad()
-def decode_loop(model, cache, logits, state, step=decode_step):
+def sample_loop(model, cache, logits, state, step=sample_step):
     """From the prefill's logits to the last token, or until every row is done."""
     max_len, max_new_tokens = cache.k.shape[2], state.uniforms.shape[1]
-    take(logits, state)  # token 0, from the prefill
+    record_sample(logits, state)  # token 0, from the prefill
     for t in range(1, max_new_tokens):
         # the loop's only host sync, once every ALL_DONE_EVERY steps
         if len(state.eos) and t % ALL_DONE_EVERY == 0 and state.done.all():
@@ -258,7 +277,7 @@ def check_model(model):
 
 
 @torch.no_grad()
-def prefilled(model, prompts, max_new_tokens, forward=forward):
+def cache_for_prompts(model, prompts, max_new_tokens, forward_fn=forward):
     """An empty cache for the prompts' rows, prefilled. Cache slots hold the rows longest prompt
     first, so neighbouring slots have similar lengths; identical prompts share one prefill (the
     distinct ones, also longest first, take the first slots), copied to each of their slots.
@@ -276,7 +295,7 @@ def prefilled(model, prompts, max_new_tokens, forward=forward):
         k=torch.zeros(shape, dtype=param.dtype, device=device),
         v=torch.zeros(shape, dtype=param.dtype, device=device),
         seqlens=torch.zeros(num_rows, dtype=torch.int32, device=device))
-    logits = prefill(model, distinct, cache, forward)
+    logits = prefill(model, distinct, cache, forward_fn)
     # slot s <- the prefilled slot of its prompt, layer by layer
     for layer_cache in (*cache.k, *cache.v):
         layer_cache[:, :max_prompt] = layer_cache[source, :max_prompt]  # (the right side is a copy)
@@ -284,16 +303,22 @@ def prefilled(model, prompts, max_new_tokens, forward=forward):
     return cache, logits[source], torch.tensor(slot_rows, device=device)
 
 
+def own_decoder(model):
+    """rollout's own decoder: (the prefill's forward, the loop's step) for one generate's rows of
+    `model`. A device's (systems/cuda_decode.decoder) has the same form."""
+    return forward, sample_step
+
+
 @torch.no_grad()
 def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_token_id=None,
-             generator=None, max_rows=None, fast=None, compiled=False, cuda_graphs=True):
+             generator=None, max_rows=None, decoder=own_decoder):
     """Sample one response per prompt (a list of token-id lists). `eos_token_id`: int, list or None
     (then exactly max_new_tokens tokens per row). `generator`: a torch.Generator on the model's
-    device. `max_rows`: decode at most this many rows at a time (their KV cache is what takes the
-    memory: kv_bytes); every row still draws the uniforms of its own index, so the samples are
-    those of one call, up to float rounding. `fast`: decode through systems/cuda_decode.py (True),
-    rollout's own loop (False), or the device's (None): cuda_decode on CUDA or where `compiled` (its
-    options, with `cuda_graphs`), systems/compaction.py on a CPU."""
+    device. `max_rows`: decode at most this many rows at a time (their KV cache takes the memory);
+    every row still draws the uniforms of its own index, so the samples are those of one call, up
+    to float rounding. `decoder`: a function of the model giving (forward, step) for each batch of
+    rows, own_decoder or a device's (systems/runtime.sampler_decoder, where the sampler is made):
+    the same samples up to float rounding."""
     check_model(model)
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("prompts must be a non-empty list of non-empty token-id lists")
@@ -318,10 +343,9 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_tok
     lengths = torch.zeros(num_rows, dtype=torch.long, device=device)
     chunk = max_rows or num_rows
     for start in range(0, num_rows, chunk):
-        rows = slice(start, start + chunk)  # views: decode_rows writes into the outputs
-        decode_rows(model, prompts[rows], uniforms[rows], eos, temperature, top_p,
-                    (fast, compiled, cuda_graphs), tokens_out[rows], logprobs_out[rows],
-                    lengths[rows])
+        rows = slice(start, start + chunk)  # views: sample_rows writes into the outputs
+        sample_rows(model, prompts[rows], uniforms[rows], eos, temperature, top_p, decoder,
+                    tokens_out[rows], logprobs_out[rows], lengths[rows])
 
     width = int(lengths.max())
     response_mask = (torch.arange(width, device=device) < lengths[:, None]).float()
@@ -329,23 +353,15 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_p=1.0, eos_tok
                    response_mask=response_mask)
 
 
-def decode_rows(model, prompts, uniforms, eos, temperature, top_p, options, tokens_out,
+def sample_rows(model, prompts, uniforms, eos, temperature, top_p, decoder, tokens_out,
                 logprobs_out, lengths):
-    """Prefill `prompts` and decode them to the end, writing each row's tokens, log-probs and
-    response length into the (rows, T) / (rows,) outputs, in row order."""
-    fast, compiled, cuda_graphs = options
-    gpu = fast or (fast is None and (next(model.parameters()).is_cuda or compiled))
-    if fast is None and not gpu:  # a CPU's speed machinery: finished rows leave the batch
-        from systems import compaction
-        return compaction.decode_rows(model, prompts, uniforms, eos, temperature, top_p,
-                                      tokens_out, logprobs_out, lengths)
-    run_forward, step = forward, decode_step
-    if gpu:
-        from systems import cuda_decode  # the same forward and step, made fast (a GPU's)
-        run_forward, step = cuda_decode.fast(model, compiled, cuda_graphs)
-    cache, logits, row_of_slot = prefilled(model, prompts, uniforms.shape[1], run_forward)
+    """Prefill `prompts` and decode them to the end with `decoder`'s forward and step, writing
+    each row's tokens, log-probs and response length into the (rows, T) / (rows,) outputs, in row
+    order."""
+    forward_fn, step = decoder(model)
+    cache, logits, row_of_slot = cache_for_prompts(model, prompts, uniforms.shape[1], forward_fn)
     state = new_decoding(uniforms[row_of_slot], eos, temperature, top_p)
-    decode_loop(model, cache, logits, state, step)
+    sample_loop(model, cache, logits, state, step)
     # slot order -> row order
     tokens_out[row_of_slot], logprobs_out[row_of_slot] = state.tokens_out, state.logprobs_out
     lengths[row_of_slot] = state.lengths
@@ -356,10 +372,3 @@ def cache_shape(model, num_rows, max_len):
     config = model.config
     return (config.num_hidden_layers, num_rows, max_len, config.num_key_value_heads,
             model.model.layers[0].self_attn.head_dim)
-
-
-def kv_bytes(model, num_rows, max_len):
-    """Bytes of the KV cache prefilled() allocates for num_rows rows of max_len slots (K and V,
-    every layer, in the model's dtype)."""
-    return 2 * math.prod(cache_shape(model, num_rows, max_len)) * next(
-        model.parameters()).element_size()

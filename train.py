@@ -1,7 +1,7 @@
 """On-policy RLOO fine-tuning of an LLM with a KL penalty (paper sec. 2-4, app. B).
 
-One step of `main` (Table 1's four configurations are the comments marked `K1-in-reward`,
-`K3-in-reward`, `K1-in-loss`, `K3-in-loss`: `grep -n K3-in-loss *.py`):
+One step of `main` (each configuration's lines carry a comment `Table 1:` and its name, the four
+of Table 1 or `both` or `weighted`; README.md, "Finding a configuration", greps exactly them):
   1. rollout    --group-size completions for each of --prompts-per-step prompts, from the policy
   2. reward     each completion's verifiable reward R in [0, 1] (data.score, reward.py)
   3. log-probs  log pi(y_t | x, y<t) of every sampled token under the policy (no grad) and the
@@ -46,7 +46,6 @@ Checkpoints and --resume: systems/checkpoint.py.
     torchrun --nproc_per_node=8 train.py --kl k3 --place loss --fsdp --model Qwen/Qwen2.5-7B ...
 """
 import collections
-import contextlib
 import math
 import os
 import time
@@ -54,9 +53,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import advantage
@@ -65,7 +61,7 @@ import kl
 import logprobs
 import rollout
 from flags import ADVANTAGES, check_flags, parser  # train.parser, train.check_flags: lab/, tests/
-from systems import checkpoint, cuda_decode, report, runtime, segment_attention
+from systems import checkpoint, optim, report, runtime
 from systems.hub import HubUnreachable
 from systems.metrics import importance_weights, step_metrics
 from systems.model import load_model, load_tokenizer, stop_token_ids
@@ -84,10 +80,7 @@ def main(argv=None):
     args.dtype = str(dtype).removeprefix("torch.")  # "auto" resolved: a resume must compute alike
     logprob_dtype = runtime.logprob_dtype(args.logprob_dtype, device)
     args.logprob_dtype = str(logprob_dtype).removeprefix("torch.")  # resolved, as --dtype
-    if args.compile_sampler is None:  # resolved too
-        args.compile_sampler = device.type in runtime.COMPILED_SAMPLER_ON
-    args.recompute = runtime.recompute_choice(args.recompute, device)  # resolved, as --dtype
-    args.by_segments = device.type in runtime.BY_SEQUENCES_ON  # attention in every pass alike
+    runtime.resolve_device_defaults(args, device)  # what a GPU run has yet to decide, as --dtype
     print0 = print if rank == 0 else lambda *a, **k: None
     torch.manual_seed(args.seed)
     # the sampler's random stream: each rank its own
@@ -97,6 +90,7 @@ def main(argv=None):
     runtime.stop_if_any_rank(loaded if isinstance(loaded, str) else None, "train.py")
     examples, eval_sets, tokenizer, policy, stop_ids = loaded
     sampler = runtime.make_sampler(policy, device, dtype, args.fsdp)  # rollout.generate, eval
+    decoder = runtime.sampler_decoder(device, args.compile_sampler)  # a GPU's, else rollout's own
     runtime.checkpoint_activations(policy, args.recompute)  # --recompute
     policy = runtime.wrap(policy, device, args.fsdp)
     reference = reference_model(args, device)
@@ -110,14 +104,7 @@ def main(argv=None):
     if rank == 0:
         metrics_path = checkpoint.start_log(args, start_step, resumed=resume_from is not None)
     report_row = report.open(args, start_step, rank)  # --report-to's writer on rank 0, or None
-    num_params = sum(p.numel() for p in runtime.unwrap(policy).parameters())
-    print0(f"{args.model}: {num_params / 1e6:.0f}M parameters on {world_size} x {device.type}, "
-           f"{str(dtype)[6:]} compute, {args.task} ({len(examples)} problems), "
-           f"{args.kl}-in-{args.place} beta={args.beta}"
-           + (f", resuming {resume_from}" if resume_from else
-              ", no checkpoint to resume" if args.resume else ""))
-    if device.type == "cuda":  # what the sampler will attend with, by the rule it follows
-        print0(cuda_decode.attention_choice(device, dtype)[1])
+    print0(runtime.describe_run(args, policy, world_size, device, dtype, examples, resume_from))
 
     G, prompts_per_rank, bad_in_a_row = args.group_size, args.prompts_per_step // world_size, 0
     steps = range(start_step + 1, args.steps + 1)
@@ -142,7 +129,7 @@ def main(argv=None):
                        "(--generate-rows)")
             out = rollout.generate(sampler, prompts, args.max_new_tokens, args.temperature,
                                    args.top_p, stop_ids, generator, max_rows=max_rows,
-                                   compiled=args.compile_sampler)
+                                   decoder=decoder)
             queue.append({"weights_step": step - 1, "problems": problems, "prompts": prompts,
                           "out": out})
         sampled = queue.popleft()
@@ -170,8 +157,8 @@ def main(argv=None):
             by_segments=args.by_segments)[0]
 
         # ------------------------------------------------------------ shape (eq. 7)
-        # Table 1: K1-in-reward, K3-in-reward (--place reward; --place both adds the loss's
-        # term below): the return R - beta * sum_t sg[KL_t], the KL's gradient a score function
+        # Table 1: K1-in-reward, K3-in-reward, both (--place reward; both adds the loss's term
+        # below): the return R - beta * sum_t sg[KL_t], the KL's gradient a score function
         # through the advantage (eq. 8)
         returns = kl.shape_rewards(scores, policy_logp, ref_logp, mask, args.kl, args.place,
                                    args.beta, args.kl_clamp)
@@ -201,8 +188,9 @@ def main(argv=None):
         row = step_metrics(args, step, batch, sampled, scores, returns, entropy,
                            (losses, grad_norms, skipped), (sample_s, train_s))
         if args.eval_every and step % args.eval_every == 0:
-            row.update(evaluate_pass1(args, sampler, tokenizer, eval_sets, len(prompts), rank,
-                                      world_size))
+            from eval import pass1_row  # here: only runs with --eval-every need eval.py
+            row.update(pass1_row(args, sampler, decoder, tokenizer, eval_sets, len(prompts), rank,
+                                 world_size))
         if rank == 0:
             checkpoint.log_row(metrics_path, row)
             if report_row:
@@ -245,14 +233,14 @@ def update(args, policy, optimizer, batch, minibatch, first):
     kl_loss, clip_frac] summed over ranks, grad norm, whether the step was taken: a non-finite loss
     or gradient skips it)."""
     mask, advantages = batch.mask, batch.advantages
-    exact_logp = minibatch_logprobs(args, policy, batch, minibatch, first)
-    num_tokens = tokens_on_all_ranks(mask[minibatch])  # both losses' normalizer (sec. 4.1)
-    weight_cap, weight_normalizer = is_weight_bounds(args, batch, minibatch, exact_logp)
+    no_grad_logp = minibatch_logprobs(args, policy, batch, minibatch, first)
+    num_tokens = optim.tokens_on_all_ranks(mask[minibatch])  # both losses' normalizer (sec. 4.1)
+    log_weight_cap, log_weight_normalizer = is_weight_bounds(args, batch, minibatch, no_grad_logp)
     sums = torch.zeros(3, dtype=torch.float64, device=batch.tokens.device)
-    for rows, gradient_sync in micro_batches(args, policy, batch, minibatch):
+    for rows, gradient_sync in optim.micro_batches(args, policy, batch.prompts, minibatch):
         with gradient_sync:
-            # log-probs: log pi(y_t | x, y<t) with a gradient, valued at exact_logp
-            logp = gradient_logprobs(args, policy, batch, rows, exact_logp[rows - minibatch[0]])
+            # log-probs: log pi(y_t | x, y<t) with a gradient, valued at no_grad_logp
+            logp = gradient_logprobs(args, policy, batch, rows, no_grad_logp[rows - minibatch[0]])
             # the ratio's old policy: on-policy (one minibatch, no lag) sg[logp], so the ratio is
             # exactly 1; else mu, the policy that sampled
             on_policy = args.minibatches == 1 and not args.async_lag
@@ -267,19 +255,21 @@ def update(args, policy, optimizer, batch, minibatch, first):
                     logp, old_logp, advantages[rows], mask[rows], num_tokens, args.is_cap)
 
             # KL loss
-            if args.place == "weighted":  # unbiased off-policy: w sg[K1], w = prod_t pi/mu
+            if args.place == "weighted":
+                # Table 1: weighted (beside the table): w sg[K1], w = prod_t pi/mu, unbiased
+                # off-policy
                 kl_loss = kl.off_policy_kl_loss(logp, batch.behaviour_logp[rows],
                                                 batch.ref_logp[rows], mask[rows], args.beta,
-                                                num_tokens, weight_cap, weight_normalizer)
+                                                num_tokens, log_weight_cap, log_weight_normalizer)
             else:
-                # Table 1: K1-in-loss, K3-in-loss (--place loss; --place both adds the reward's
+                # Table 1: K1-in-loss, K3-in-loss, both (--place loss; both adds the reward's
                 # term): beta * sum_t KL_t / num_tokens, its gradient path-wise (eq. 9); else 0
                 kl_loss = kl.kl_loss(logp, batch.ref_logp[rows], mask[rows], args.kl, args.place,
                                      args.beta, num_tokens, args.kl_clamp)
 
-            backward_over_ranks(pg_loss + kl_loss)
+            optim.backward_over_ranks(pg_loss + kl_loss)
         sums += torch.stack([pg_loss.detach(), kl_loss.detach(), clip_frac]).double()
-    return optimizer_step(args, policy, optimizer, sums)
+    return optim.optimizer_step(args, policy, optimizer, sums)
 
 
 # ---------------------------------------------------------------- update's bookkeeping
@@ -287,7 +277,7 @@ def minibatch_logprobs(args, policy, batch, minibatch, first):
     """The minibatch's log-probs in --logprob-dtype under the current weights: policy_logp until the
     first update, then a no-grad pass of their own (only if the gradient pass runs in another
     dtype, or the self-normalized weight needs them)."""
-    dtype, logprob_dtype = compute_dtypes(args, batch)
+    dtype, logprob_dtype = runtime.pass_dtypes(args, batch.tokens.device)
     self_normalized = args.place == "weighted" and args.is_weight == "self-normalized"
     if first or (dtype == logprob_dtype and not self_normalized):
         return batch.policy_logp[minibatch]
@@ -297,81 +287,29 @@ def minibatch_logprobs(args, policy, batch, minibatch, first):
         by_segments=args.by_segments)[0]
 
 
-def gradient_logprobs(args, policy, batch, rows, exact_logp):
-    """log pi(y_t | x, y<t) of the rows with a gradient, computed in --dtype (bf16 autocast where
-    the device has it) and valued at exact_logp, the --logprob-dtype pass: logp + sg[exact - logp],
-    so the losses' values are exact and only the gradient's direction carries --dtype's rounding."""
-    dtype, logprob_dtype = compute_dtypes(args, batch)
+def gradient_logprobs(args, policy, batch, rows, no_grad_logp):
+    """log pi(y_t | x, y<t) of the rows with a gradient, in --dtype (bf16 autocast where the device
+    has it) and valued at no_grad_logp (--logprob-dtype's pass): logp + sg[no_grad_logp - logp], so
+    the losses' values are that pass's; only the gradient's direction carries --dtype's rounding."""
+    dtype, logprob_dtype = runtime.pass_dtypes(args, batch.tokens.device)
     logp, _ = logprobs.token_logprobs(policy, [batch.prompts[r] for r in rows], batch.tokens[rows],
                                       batch.mask[rows], args.temperature, dtype,
                                       by_segments=args.by_segments)
-    if dtype != logprob_dtype:  # exact_logp's values, this pass's gradient
-        logp = logp + (exact_logp - logp).detach()
+    if dtype != logprob_dtype:  # no_grad_logp's values, this pass's gradient
+        logp = logp + (no_grad_logp - logp).detach()
     return logp
 
 
-def compute_dtypes(args, batch):
-    """(--dtype, --logprob-dtype) as main resolved them: the gradient pass's, the no-grad ones'."""
-    return (getattr(torch, args.dtype),
-            runtime.logprob_dtype(args.logprob_dtype, batch.tokens.device))
-
-
-def is_weight_bounds(args, batch, minibatch, exact_logp):
+def is_weight_bounds(args, batch, minibatch, no_grad_logp):
     """--place weighted's w = prod_t pi/mu: (log of its cap, log of its normalizer). Capped at e^30
     (exact) or at C (truncated); --is-weight self-normalized divides it by mean_j w_j over the
     minibatch on all ranks (else log 1 = 0)."""
     max_log_w = math.log(args.is_cap) if args.is_weight == "truncated" else kl.MAX_LOG_W
     if args.place != "weighted" or args.is_weight != "self-normalized":
         return max_log_w, 0.0
-    log_w = kl.log_importance_weights(exact_logp, batch.behaviour_logp[minibatch],
+    log_w = kl.log_importance_weights(no_grad_logp, batch.behaviour_logp[minibatch],
                                       batch.mask[minibatch])
     return max_log_w, importance_weights(log_w, batch.tokens.device)["log_mean_w"]
-
-
-def tokens_on_all_ranks(mask):
-    """num_tokens: the response tokens of `mask` summed over all ranks."""
-    num_tokens = mask.sum()
-    if dist.is_initialized():
-        dist.all_reduce(num_tokens)
-    return num_tokens
-
-
-def micro_batches(args, policy, batch, minibatch):
-    """The minibatch's micro-batches of rows (--micro-batch sequences, each RLOO group whole), each
-    with the context its backward runs in: DDP all-reduces gradients in the backward of the last
-    micro-batch only (no_sync in the others). By sequences, the policy attends by segments until
-    the backward ends: --recompute runs the forward again there."""
-    parts = minibatch.split(
-        logprobs.micro_batch_sizes([batch.prompts[r] for r in minibatch], args.micro_batch))
-    for i, rows in enumerate(parts):
-        no_sync = isinstance(policy, DDP) and i < len(parts) - 1
-        with segment_attention.attention(policy) if args.by_segments else contextlib.nullcontext():
-            yield rows, policy.no_sync() if no_sync else contextlib.nullcontext()
-
-
-def backward_over_ranks(loss):
-    """loss.backward(), scaled by the number of ranks: DDP and FSDP average gradients over the
-    ranks, and num_tokens counts all ranks' tokens already, so the step's gradient is the sum over
-    every rank's tokens / num_tokens, whatever the number of ranks."""
-    world_size = dist.get_world_size() if dist.is_initialized() else 1
-    (loss * world_size).backward()
-
-
-def optimizer_step(args, policy, optimizer, sums):
-    """Clip the gradient's norm to --max-grad-norm and take the AdamW step, unless the loss or the
-    gradient is not finite. Returns (the sums of [pg_loss, kl_loss, clip_frac] over all ranks,
-    the grad norm before clipping, whether the step was taken)."""
-    losses = list(runtime.all_reduce_sums(
-        dict(zip(("pg_loss", "kl_loss", "clip_frac"), sums.tolist())), sums.device).values())
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)
-    grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)
-    # a non-finite loss or gradient (K3-in-reward's r = pi_ref/pi can overflow): skip the update,
-    # show it in the log, do not crash
-    stepped = math.isfinite(grad_norm) and math.isfinite(sum(losses))
-    if stepped:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return losses, grad_norm, stepped
 
 
 # ---------------------------------------------------------------- set-up and saving
@@ -401,21 +339,6 @@ def reference_model(args, device):
     reference = load_model(args.model, torch.float32, args.trust_remote_code)
     reference.requires_grad_(False)
     return runtime.shard(reference) if args.fsdp else reference.to(device)
-
-
-def evaluate_pass1(args, sampler, tokenizer, eval_sets, batch_size, rank, world_size):
-    """Pass@1 on each --eval-tasks set (eval.evaluate, one sample each), as metrics.jsonl keys."""
-    from eval import evaluate  # here: only runs with --eval-every need it
-
-    row = {}
-    for name, examples in eval_sets.items():
-        result, _ = evaluate(sampler, tokenizer, examples, samples=1,
-                             max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             top_p=args.top_p, batch_size=batch_size, seed=args.seed, rank=rank,
-                             world_size=world_size, generate_rows=args.generate_rows)
-        row.update({f"eval/{Path(name).stem}/{key}": result[key]
-                    for key in ("accuracy", "stderr", "pass@1", "n")})
-    return row
 
 
 if __name__ == "__main__":

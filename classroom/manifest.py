@@ -41,12 +41,15 @@ EXERCISES = [
         "The return is a constant to the optimizer (stop-gradient); the loss divides by the "
         "batch's num_tokens, not by the row's length."),
     Exercise(
-        "E3", "Table 1 by exact enumeration", (("toy.py", "expected_gradient"),), 45,
+        "E3", "Table 1 by exact enumeration", (("toy.py", "expected_gradient"),), 50,
         "Implement `toy.expected_gradient`: enumerate all 2^T sequences of the sec. 3.3 toy model "
         "(eqs. 17-18) and return the exact expected gradient of one configuration's KL term "
-        "through `toy.training_loss`. Graded against independent references: K1-in-reward is "
-        "grad KL (eqs. 21-23), K1-in-loss is 0 (eq. 13), K3-in-reward adds eq. 19, K3-in-loss is "
-        "eq. 41. `toy.converge`, `toy.off_policy_variance` and `toy.kl_gradient_moments` are "
+        "through `toy.training_loss`. `toy.training_loss` calls E2's `kl.shape_rewards` and "
+        "`kl.kl_loss` and E4's `advantage.policy_loss`: the grader puts its own versions in "
+        "their place, so E3 can be done before E2 and E4 (your own runs of it need them). "
+        "Graded against independent references: K1-in-reward is grad KL (eqs. 21-23), "
+        "K1-in-loss is 0 (eq. 13), K3-in-reward is grad KL plus eq. 19's bias term, K3-in-loss "
+        "is eq. 41. `toy.converge`, `toy.off_policy_variance` and `toy.kl_gradient_moments` are "
         "withheld from this handout (they use the answer), so `python toy.py` does not run.",
         "An expectation over all sequences is a sum weighted by pi(y); that weight is a "
         "probability, not part of the model the gradient flows through.",
@@ -65,32 +68,39 @@ EXERCISES = [
         "it is the larger of the two losses.",
         shared=("R = _groups(returns, group_size)",)),
     Exercise(
-        "E5", "The KL to go (OpenRLHF's per-token KL reward)", (("kl.py", "kl_to_go"),), 30,
+        "E5", "The KL to go (OpenRLHF's per-token KL reward)", (("kl.py", "kl_to_go"),), 35,
         "Implement `kl.kl_to_go`: per token, the sum of the KL estimates from that token to the "
-        "end. Graded: values with masks; with K1 it leaves the expected gradient at grad KL "
-        "(exact enumeration of the toy model through policy_loss with per-token advantages); its "
-        "variance is lower than the whole sequence's (measured exactly).",
+        "end, sum_{s>=t} mask_s KL_s, detached: eq. 32's score-function term with the past "
+        "tokens removed from the inner sum (app. F.3, last paragraph). Graded: values with "
+        "masks; with K1 it leaves the expected gradient at grad KL (exact enumeration of the toy "
+        "model, per-token advantages); the exact variance of the gradient it gives equals the "
+        "definition's (usually lower than the whole sequence's, 4x at T = 8, but not always).",
         "A sum over s >= t is a cumulative sum read from the end."),
     Exercise(
-        "E6", "Sampling with temperature and top-p", (("rollout.py", "sample"),), 40,
-        "Implement `rollout.sample`: temperature scales the logits, top-p keeps the smallest set "
-        "of most likely tokens whose mass reaches p (the token that crosses p included) and "
-        "renormalizes; draw by inverse CDF with the given uniforms; return the log-prob under "
-        "exactly the distribution sampled (eq. 4's pi_old). Graded against a float64 oracle at "
-        "random logits, temperatures and top-p.",
+        "E6", "Sampling with temperature and top-p", (("rollout.py", "sample"),), 45,
+        "Implement `rollout.sample`: temperature scales the logits (temperature 0 is greedy: the "
+        "argmax, log-prob 0), top-p keeps the smallest set of most likely tokens whose mass "
+        "reaches p (the token that crosses p included) and renormalizes; each row's token is "
+        "the first in vocabulary order whose cumulative probability exceeds its uniform times "
+        "the total mass (`rollout.inverse_cdf` does this; `draw`, where given, is called in its "
+        "place with the same arguments: the GPU's step passes one by blocks, the grader never "
+        "does); return the log-prob under exactly the distribution sampled (eq. 4's pi_old). "
+        "Graded against a float64 oracle at random logits, temperatures and top-p: greedy at "
+        "temperature 0, the tokens drawn, their log-probs, the token that crosses p.",
         "The log-prob the trainer needs is of the tempered, truncated, renormalized distribution."),
     Exercise(
-        "E7", "The KV cache", (("rollout.py", "sdpa_attention"), ("rollout.py", "decode")), 50,
+        "E7", "The KV cache", (("rollout.py", "sdpa_attention"), ("rollout.py", "decode")), 75,
         "Implement `rollout.sdpa_attention` (write this step's keys and values into the cache at "
-        "their positions, attend over the cached slots with the causal bias, grouped-query heads) "
-        "and `rollout.decode` (one new token per row). Graded: greedy output equals Hugging "
-        "Face's generate, log-probs equal its full forward pass, and decoding feeds exactly one "
-        "token per row per step (a forward hook counts).",
+        "their positions, attend over the cached slots with the causal bias, grouped-query "
+        "heads; return shape (n, L, kv_heads, groups, head_dim), query head h = kv_head * "
+        "groups + group) and `rollout.decode` (one new token per row: next-token logits (rows, "
+        "V) in float32), the decode step `train.py` samples with. Graded: greedy output equals "
+        "Hugging Face's generate, log-probs equal its full forward pass, and decoding feeds "
+        "exactly one token per row per step (a forward hook counts).",
         "Each row's new K/V go to slot `positions`; decode must not feed the prefix again.",
-        # the GPU's decode step (systems/cuda_decode.py) is rollout.decode over its own forward;
-        # its FlexAttention branch writes the cache and folds the heads as sdpa_attention does
-        withheld=(("systems/cuda_decode.py", "decode"),
-                  ("systems/cuda_decode.py", "flex_attention"))),
+        # the GPU's FlexAttention branch (systems/cuda_decode.py) writes the cache and folds the
+        # heads as sdpa_attention does
+        withheld=(("systems/cuda_decode.py", "flex_attention"),)),
     Exercise(
         "E8", "An experiment on the CPU", (), 120,
         "Train the embedded model twice on `arith` with K1 in the reward and K1 in the loss at "
@@ -98,8 +108,12 @@ EXERCISES = [
         "experiment/k1-reward` and the same with `--place loss`, 10-25 min each on 2 CPU "
         "cores), plot them (`python plot.py experiment/k1-reward experiment/k1-loss --out "
         "experiment/plot.png`), and answer in experiment/answer.md (at most 300 words): which run "
-        "stays closer to the reference, and why, by Table 1? Graded here: the runs and the plot; "
-        "the answer by your instructor's rubric.",
+        "stays closer to the reference (compare `kl_k1` in metrics.jsonl over the last steps), "
+        "and why, by Table 1? Graded here: the runs and the plot; the answer by your "
+        "instructor's rubric. The runs use your own files, so unlike E1-E7 this exercise is not "
+        "graded on its own code: the check that each run's numbers obey train.py's accounting "
+        "(return = reward - beta kl_k1, kl_loss = beta kl_k1 / response_len) fails while E2 is "
+        "wrong. Do it last.",
         "Both runs need config.json and metrics.jsonl from train.py with the flags above: the "
         "grader checks that their numbers are train.py's own (they obey its accounting) and "
         "that the plot is plot.py's figure of them."),

@@ -141,7 +141,7 @@ def generate(config, seed, prompts, new, temperature, sample_seed=None):
     generator = None if sample_seed is None else torch.Generator().manual_seed(sample_seed)
     out = MODULES["rollout"].generate(model, prompts, new, temperature=temperature,
                                       generator=generator)
-    return {"response_ids": out.response_ids, "logprobs": out.logprobs}
+    return {"response_ids": out.response_ids, "logprobs": out.response_logprobs}
 
 
 def decode_feeds(config, seed, prompts, new):
@@ -153,7 +153,7 @@ def decode_feeds(config, seed, prompts, new):
     rollout.decode = lambda m, tokens, *rest: (calls.append(len(tokens)),
                                                real_decode(m, tokens, *rest))[1]
     try:
-        rollout.generate(model, prompts, new, temperature=0.0, fast=False)  # rollout's own loop
+        rollout.generate(model, prompts, new, temperature=0.0)  # rollout's own loop, train.py's
     finally:
         rollout.decode = real_decode
         hook.remove()

@@ -15,8 +15,8 @@ of systems/cuda_decode.py replayed as a CUDA graph, with the projections fused a
 has them: cuda_decode.fuse_projections), ours unfused (the same, a GEMM per projection), ours
 compiled (the same, the step compiled by torch.compile before the capture; SmolLM2 at batch 64
 only), ours eager (the same step launched op by op), ours plain (rollout.py's own step, without
-cuda_decode: generate(fast=False)), ours compaction (a CPU's default: systems/compaction.py; CPU
-only), model.generate eager and with its static cache + torch.compile (SmolLM2 at batch 64 only: a
+cuda_decode: rollout.own_decoder, a CPU's default), model.generate eager and with its static
+cache + torch.compile (SmolLM2 at batch 64 only: a
 compile per shape); beside each, the
 HBM floor, (weights + live KV bytes read per step) / the card's measured read bandwidth, and the
 fraction of it reached. Then useful tokens/s, greedy, EOS on, SmolLM2 (the same work for every
@@ -29,6 +29,7 @@ it on a CPU, at tiny shapes unless --models says otherwise (fp32 where bf16 is e
 process CPU seconds; the sync check counts with a TorchDispatchMode instead).
 """
 import argparse
+import functools
 import json
 import subprocess
 import sys
@@ -79,7 +80,7 @@ decode.add_argument("--ours-compiled", nargs="*", default=["smollm2-135m:64"],
                          "shape; on a CPU without the capture)")
 decode.add_argument("--samplers", nargs="+", metavar="NAME",
                     choices=("ours graphed", "ours flex", "ours unfused", "ours compiled",
-                             "ours eager", "ours plain", "ours compaction",
+                             "ours eager", "ours plain",
                              "hf eager", "hf static+compile"),
                     help="the ms-per-step part times only these (default: every sampler that "
                          "runs here); for a short GPU slot's rerun")
@@ -110,7 +111,9 @@ import torch  # noqa: E402  (after argparse so --help is instant)
 import data  # noqa: E402
 from systems.model import load_model, load_tokenizer  # noqa: E402
 from systems import runtime  # noqa: E402
+import rollout  # noqa: E402
 from rollout import generate  # noqa: E402
+from systems import cuda_decode  # noqa: E402
 from systems.cuda_decode import flash_choice, fuse_projections  # noqa: E402
 from lab.bench_train import SHAPES as QWEN_SHAPES  # noqa: E402
 
@@ -207,7 +210,8 @@ def run_ours(model, batch, eos, max_new_tokens, seed):
     sync()
     start = time.perf_counter()
     out = generate(model, batch, max_new_tokens, temperature=1.0, eos_token_id=eos,
-                   generator=torch.Generator(DEVICE).manual_seed(seed))
+                   generator=torch.Generator(DEVICE).manual_seed(seed),
+                   decoder=runtime.sampler_decoder(DEVICE))  # as train.py samples here
     sync()
     return time.perf_counter() - start, out.response_mask.sum(1).long().tolist()
 
@@ -329,7 +333,11 @@ def decode_samplers(model, name, prompts, eos=None, temperature=1.0, compiled=Fa
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=DEVICE)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=DEVICE)
 
-    def ours(fast, graphs=True, compiled_step=False, fused=True, flex=False):
+    def ours(machinery, graphs=True, compiled_step=False, fused=True, flex=False):
+        # machinery: systems/cuda_decode.py's decoder (graphs, compiled step), else rollout's own
+        decoder = (functools.partial(cuda_decode.decoder, compiled=compiled_step,
+                                     cuda_graphs=graphs) if machinery else rollout.own_decoder)
+
         def run(n, seed):
             saved = [] if fused else [(module, vars(module).pop("fused")) for module
                                       in model.modules() if "fused" in vars(module)]
@@ -337,7 +345,7 @@ def decode_samplers(model, name, prompts, eos=None, temperature=1.0, compiled=Fa
             runtime.FLEX_DECODE_ON = (DEVICE.type,) if flex else flex_on
             try:
                 return generate(model, prompts, n, temperature=temperature, eos_token_id=eos,
-                                fast=fast, cuda_graphs=graphs, compiled=compiled_step,
+                                decoder=decoder,
                                 generator=torch.Generator(DEVICE).manual_seed(seed))
             finally:
                 runtime.FLEX_DECODE_ON = flex_on
@@ -364,8 +372,6 @@ def decode_samplers(model, name, prompts, eos=None, temperature=1.0, compiled=Fa
         runs["ours unfused"] = ours(True, fused=False)  # the same, a GEMM per projection
     if ours_compiled:  # on a CPU too, where --ours-compiled names the shape
         runs["ours compiled"] = ours(True, compiled_step=True)
-    if not cuda:  # a CPU's default loop (systems/compaction.py)
-        runs["ours compaction"] = ours(None)
     runs |= {"ours eager": ours(True, graphs=False), "ours plain": ours(False),
              "hf eager": hf()}
     if cuda and compiled:
@@ -528,14 +534,12 @@ def sync_part(name, rows, dtype):
     """The decode loop through cuda_decode's step with EOS off (no "all done?" to ask): on CUDA
     under torch.cuda.set_sync_debug_mode("error"), graphed and eager; on a CPU, the host syncs a
     TorchDispatchMode counts (scalar reads, nonzero, boolean-mask indexing)."""
-    import rollout
-    from systems import cuda_decode
 
     model, _ = decode_model(name, dtype)
     prompts = [[5 + row, 6, 7, 8] for row in range(rows)]
     result = {}
     for graphs in ((True, False) if DEVICE.type == "cuda" else (False,)):
-        cache, logits, _ = rollout.prefilled(model, prompts, 16)
+        cache, logits, _ = rollout.cache_for_prompts(model, prompts, 16)
         state = rollout.new_decoding(torch.rand(rows, 16, device=DEVICE, dtype=torch.float64),
                                      torch.tensor([], dtype=torch.long, device=DEVICE), 1.0, 0.9)
         key = "graphed" if graphs else "eager"
@@ -543,8 +547,8 @@ def sync_part(name, rows, dtype):
             sync()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                rollout.decode_loop(model, cache, logits, state,
-                                    cuda_decode.fast(model, cuda_graphs=graphs)[1])
+                rollout.sample_loop(model, cache, logits, state,
+                                    cuda_decode.decoder(model, cuda_graphs=graphs)[1])
                 result[key] = "no sync"
             except RuntimeError as error:
                 result[key] = f"FAILED: {str(error).splitlines()[0]}"
@@ -566,8 +570,8 @@ def sync_part(name, rows, dtype):
             syncs = Syncs()
             syncs.found = []
             with syncs:
-                rollout.decode_loop(model, cache, logits, state,
-                                    cuda_decode.fast(model, cuda_graphs=False)[1])
+                rollout.sample_loop(model, cache, logits, state,
+                                    cuda_decode.decoder(model, cuda_graphs=False)[1])
             result[key] = (f"{len(syncs.found)} host syncs counted"
                            + (f": {sorted(set(syncs.found))}" if syncs.found else ""))
     ok = all(value in ("no sync", "0 host syncs counted") for value in result.values())

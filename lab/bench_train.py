@@ -229,7 +229,7 @@ def train_part(args, shape, device, peak):
     generator = torch.Generator(device=device).manual_seed(0)
     rows = prompts[:args.prompts * args.group_size]
     _, seconds, memory = timed(device, rollout.generate, sampler, rows, args.sample_tokens, 1.0,
-                               1.0, None, generator)
+                               1.0, None, generator, decoder=runtime.sampler_decoder(device))
     result["sampling"] = {"s": seconds, "ms_per_step": 1e3 * seconds / args.sample_tokens,
                           "peak_bytes": memory}
     runtime.release_sampler(sampler, policy)

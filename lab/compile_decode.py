@@ -47,13 +47,13 @@ def one(kind):
 
         @torch.no_grad()
         def step(model, cache, state, span):
-            rollout.take(whole(model, state.tokens, cache, span), state,
-                         draw=cuda_decode.inverse_cdf)
+            rollout.record_sample(whole(model, state.tokens, cache, span), state,
+                                  draw=cuda_decode.inverse_cdf)
     prompts = [[5 + row, 6, 7, 8] * (1 + row % 3) for row in range(args.rows)]
-    cache, logits, _ = rollout.prefilled(model, prompts, 8, cuda_decode.forward)
+    cache, logits, _ = rollout.cache_for_prompts(model, prompts, 8, cuda_decode.forward)
     state = rollout.new_decoding(torch.rand(args.rows, 8, dtype=torch.float64),
                                  torch.tensor([], dtype=torch.long), 1.0, 1.0)
-    rollout.take(logits, state)
+    rollout.record_sample(logits, state)
     seconds = []
     for _ in range(3):
         start = time.perf_counter()

@@ -126,6 +126,7 @@ def sampler_part(work, device, model_name, task):
     import data
     import rollout
     from systems import cuda_decode
+    from systems import runtime
     from systems.model import load_model, load_tokenizer, stop_token_ids
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -209,7 +210,7 @@ def sampler_part(work, device, model_name, task):
         if not usable:
             continue
         out = with_attention(name, rollout.generate, model, prompts, 64, temperature=0,
-                             eos_token_id=stop)
+                             eos_token_id=stop, decoder=runtime.sampler_decoder(device))
         same, notes = 0, []
         for row, (ours, theirs) in enumerate(zip(out.response_ids, hf)):
             if ours == theirs:
@@ -246,6 +247,7 @@ def sampler_part(work, device, model_name, task):
         def sample(max_new_tokens):
             out = with_attention(name, rollout.generate, model, batch, max_new_tokens,
                                  temperature=1.0, eos_token_id=stop,
+                                 decoder=runtime.sampler_decoder(device),
                                  generator=torch.Generator(device).manual_seed(0))
             return out.response_mask.sum().item()
         return sample

@@ -94,6 +94,7 @@ from lab.kl_coords import choose_subsets, coordinates  # noqa: F401 (the script'
 import rollout
 from lab import study
 import train
+from systems import runtime
 from systems.model import load_model, load_tokenizer, stop_token_ids
 
 # name: (estimator, place, clamp, KL to go)
@@ -495,7 +496,8 @@ def measure_chunk(policy, reference, tokenizer, examples, args, device, params, 
             problems = spread(problems, lambda ex: tuple(data.prompt_ids(tokenizer, ex)))
         prompts = [data.prompt_ids(tokenizer, ex) for ex in problems for _ in range(G)]
         with torch.no_grad():
-            out = rollout.generate(policy, prompts, args.max_new_tokens, 1.0, 1.0, stop_ids, gen)
+            out = rollout.generate(policy, prompts, args.max_new_tokens, 1.0, 1.0, stop_ids, gen,
+                                   decoder=runtime.sampler_decoder(device))
         completions = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
         scores = torch.tensor([data.score(ex, c) for ex, c in
                                zip([ex for ex in problems for _ in range(G)], completions)],

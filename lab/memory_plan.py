@@ -259,9 +259,9 @@ def traced_sampling(config, dtype, rows, distinct, prompt_tokens, max_new_tokens
     """(prefill bucket, decode step) transient peaks, bytes: the forward over one prefill bucket
     of the call's `distinct` prompts (its next-token logits included), and a decode step (over all
     `rows` at the longest span, sampling included), both on `cuda` as CUDA runs them
-    (cuda_decode's forward and static_step), else rollout's own, beside a KV cache of `rows` x (prompt_tokens +
-    max_new_tokens) slots that is not counted here; `fused`: the projections fused, as
-    runtime.make_sampler's copy has them; `cuda`: the norms as CUDA's fused kernel allocates
+    (cuda_decode's forward and static_step), else rollout's own, beside a KV cache of `rows` x
+    (prompt_tokens + max_new_tokens) slots that is not counted here; `fused`: the projections
+    fused, as runtime.make_sampler's copy has them; `cuda`: the norms as CUDA's fused kernel allocates
     them."""
     norms = cuda_rms_norm() if cuda else contextlib.nullcontext()
     with FakeTensorMode(allow_non_fake_inputs=True), norms:
@@ -272,20 +272,20 @@ def traced_sampling(config, dtype, rows, distinct, prompt_tokens, max_new_tokens
         shape = rollout.cache_shape(model, rows, slots)
         cache = rollout.KVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype),
                                 torch.zeros(rows, dtype=torch.int32))
-        bucket = -(-distinct // rollout.BUCKETS)  # rollout.prefill's buckets
+        bucket = -(-distinct // rollout.PREFILL_BUCKETS)  # rollout.prefill's buckets
         ids = torch.zeros(bucket, prompt_tokens, dtype=torch.long)
 
         def prefill():
             view = rollout.KVCache(cache.k[:, :bucket], cache.v[:, :bucket],
                                    cache.seqlens[:bucket].clone())
-            # the forward CUDA runs (cuda_decode.fast), else rollout's own
+            # the forward CUDA runs (cuda_decode.decoder's), else rollout's own
             forward = cuda_decode.forward if cuda else rollout.forward
             hidden = forward(model, ids, view, span=prompt_tokens)
             model.lm_head(hidden[:, -1]).float()
 
         state = rollout.new_decoding(torch.zeros(rows, max_new_tokens, dtype=torch.float64),
                                      torch.tensor([0]), 1.0, 1.0)
-        step = cuda_decode.static_step if cuda else rollout.decode_step
+        step = cuda_decode.static_step if cuda else rollout.sample_step
         return traced(prefill), traced(lambda: step(model, cache, state, span=slots))
 
 
@@ -365,7 +365,7 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device, every_recompute=False):
         # sampler's capture stream (cuda_decode.capture_stream)
         resident["cuBLAS's workspaces, 3 streams"] = 3 * CUBLAS_WORKSPACE
     sampler = size * params if fsdp or size != 4 else 0
-    kv_row = 2 * math.prod(rollout.cache_shape(meta, 1, slots)) * size  # rollout.kv_bytes, K and V
+    kv_row = 2 * math.prod(rollout.cache_shape(meta, 1, slots)) * size  # runtime.kv_bytes, K and V
     call_rows = min(flags.generate_rows or rows, rows)
     if device == "cuda" and not flags.generate_rows:  # runtime.rows_that_fit, free memory then
         free = gpu_bytes - sum(resident.values()) - sampler

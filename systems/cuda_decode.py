@@ -1,10 +1,13 @@
-"""The sampler's GPU speed machinery: rollout.decode_step, the same computation, made fast.
+"""The sampler's GPU speed machinery: rollout.sample_step, the same computation, made fast.
 
-rollout.py's decode_rows wraps its forward and step at one call site with fast (as gpt-fast wraps
-its decode_one_token with torch.compile(mode="reduce-overhead")); rollout.py runs without this module
-(CPU, debugging). On a GPU a decode step is ~1,000-2,000 small kernels, each launched from Python
-in a few microseconds, while the GPU runs most of them faster than that: eagerly it waits on the
-CPU. What this module does about it, each measured in docs/benchmarks.md:
+It wraps rollout.py's forward and step, never copies them: rollout.forward's one layer loop runs
+this module's parts (attention_setup, decoder_layer, rms_norm), and `decoder` hands the wrapped
+forward and step to rollout.generate, chosen once where the sampler is made
+(runtime.sampler_decoder), as gpt-fast rebinds its decode_one_token to torch.compile(
+decode_one_token, mode="reduce-overhead") in main(). rollout.py imports nothing from here; a CPU
+samples with rollout.py's own parts. On a GPU a decode step is many small kernels, each launched
+from Python, which the GPU runs faster than Python launches them. What this module does about it,
+each measured in docs/benchmarks.md:
 - CUDA graphs (capture, capture_stream): the step, which reads and writes only rollout.Decoding's
   tensors in place and never syncs with the host, is captured once per attention span and
   replayed; the span is a multiple of rollout.SPAN_BUCKET, so one graph serves that many steps.
@@ -23,7 +26,7 @@ CPU. What this module does about it, each measured in docs/benchmarks.md:
   blocks of FLEX_BLOCK slots (flex_block_mask), with no host sync.
 - Inverse-CDF sampling by blocks of CDF_BLOCK tokens (inverse_cdf), the same tokens as rollout's
   one float64 cumsum up to float64 rounding, for a fraction of its memory traffic.
-Every one computes what rollout.py's plain step computes: tests/test_static_decode.py,
+Every one computes what rollout.py's own step computes: tests/test_static_decode.py,
 tests/test_cuda_paths.py (the flash branch against a CPU stand-in, the flex branch on the CPU) and
 tests/test_gpu.py.
 """
@@ -39,14 +42,15 @@ CDF_BLOCK = 1024  # inverse_cdf's blocks of tokens: it sums the blocks, then cum
 FLEX_BLOCK = 64  # flex_attention's blocks of slots: a row reads the blocks its slots lie in
 
 
-# ---------------------------------------------------------------- the one call site's wrapper
-def fast(model, compiled=False, cuda_graphs=True):
-    """(forward, step): rollout.forward and rollout.decode_step made fast, for one generate's rows
-    of `model`. forward: this module's (fused projections where fuse_projections joined them, fused
-    norms, flash-attn where flash_choice says so), for the prefill. step: the same forward (with
-    FlexAttention where attention_choice says so) and inverse_cdf by blocks, compiled first with
-    `compiled`, and on CUDA captured as a CUDA graph per span and replayed (cuda_graphs=False runs
-    it eagerly, to debug)."""
+# ---------------------------------------------------------------- the decoder generate takes
+def decoder(model, compiled=False, cuda_graphs=True):
+    """(forward, step) for one generate's rows of `model`: rollout.forward and rollout.sample_step
+    with this module's parts. forward, for the prefill: fused projections where fuse_projections
+    joined them, fused norms, flash-attn where flash_choice says so. step: the same forward (with
+    FlexAttention where attention_choice says so) and inverse_cdf by blocks, its layers compiled
+    with `compiled`, and on CUDA captured as a CUDA graph per span and replayed (cuda_graphs=False
+    runs it eagerly, to debug). rollout.generate takes it as its `decoder` (with `compiled` and
+    `cuda_graphs` bound: systems/runtime.sampler_decoder)."""
     check_fused(model)
     param = next(model.parameters())
     attention = attention_choice(param.device, param.dtype)[0]
@@ -67,12 +71,13 @@ def fast(model, compiled=False, cuda_graphs=True):
 
 
 @torch.no_grad()
-def static_step(model, cache, state, span, flash=False, flex=False, layer_fn=None):
-    """rollout.decode_step through this module's decode (its layers through `layer_fn` where given:
-    decoder_layer with compiled_step's compiled regions) and block inverse CDF: every row feeds its
+def static_step(model, cache, state, span, flash=False, flex=False, regions=(None, None)):
+    """rollout.sample_step through this module's forward (`regions`: compiled_step's compiled
+    forms of attention_inputs_of and layer_output) and block inverse CDF: every row feeds its
     last token and samples its next one, no host sync."""
-    rollout.take(decode(model, state.tokens, cache, span, flash, flex, layer_fn), state,
-                 draw=inverse_cdf)
+    rollout.sample_step(model, cache, state, span,
+                        functools.partial(forward, flash=flash, flex=flex, regions=regions),
+                        draw=inverse_cdf)
 
 
 @functools.cache
@@ -82,45 +87,35 @@ def compiled_step(backend="inductor"):
     attention_inputs_of (the input norm, the q/k/v projections, rope) and layer_output (the output
     projection, the residuals, the MLP and its norm), is compiled once, and its one graph runs in
     every layer, the layer's weights being its inputs (PyTorch's recipe "Reducing torch.compile
-    cold start compilation time with regional compilation"). At SmolLM2's shape, Inductor on one
-    thread of a shared CPU, the first step of one compiled layer took 38 and 39 s, against 333 and
-    376 s for the whole decode as one graph (lab/compile_decode.py; 106.5 s of warm-up at the 7B
-    shape on an H200, 2026-11-28). The regions fuse the layer's elementwise ops (norms, rope,
-    residuals, SiLU x up) into fewer kernels, gpt-fast's recipe for a step whose kernels each cost
-    more than their work (a graphed SmolLM2 step: ~4 ms for ~0.1 ms of memory traffic,
-    docs/benchmarks.md). Attention and its cache writes stay outside: the span a step reads (and
-    flash-attn's kernel, which Dynamo cannot trace) never enters a compiled graph, where Inductor
-    guarded on whether the span equals the cache's length (the keys' contiguity) and compiled
-    again when it changed. The rest of the step, run once a step, stays eager, sampling included:
-    Inductor's split scan fails to compile the top-p/inverse-CDF cumsum fused with the softmax
-    before it (pytorch#180221, on an H200). Symbolic shapes from the first call (dynamic=True): the
-    rows change from call to call in a run; a chunk of one row compiles once more (PyTorch
-    specializes sizes 0 and 1). Opt-in (generate(compiled=True); train.py --compile-sampler)."""
+    cold start compilation time with regional compilation"). The regions fuse the layer's
+    elementwise ops into fewer kernels. Attention and its cache writes stay outside (the span a
+    step reads would make Inductor compile again; Dynamo cannot trace flash-attn's kernel), and
+    so does sampling (Inductor cannot compile its cumsum fused with the softmax before it).
+    Symbolic shapes from the first call (dynamic=True): the rows change from call to call in a
+    run; a chunk of one row compiles once more (PyTorch specializes sizes 0 and 1). Opt-in
+    (train.py --compile-sampler). Its compile times and the failures behind each choice:
+    docs/benchmarks.md, "Why the GPU machinery is as it is"."""
     def compiled(region):
         region = torch.compile(region, fullgraph=True, dynamic=True, backend=backend)
         # the norms' eps as constants (symbolic, the graph would read each from a tensor)
         return torch._dynamo.config.patch(specialize_float=True)(region)
     regions = (compiled(attention_inputs_of), compiled(layer_output))
-    return functools.partial(static_step, layer_fn=functools.partial(decoder_layer,
-                                                                     regions=regions))
+    return functools.partial(static_step, regions=regions)
 
 
 @functools.cache
 def capture_stream(device):
-    """The one side stream on which every capture of the process warms up and records. cuBLAS keeps
-    a workspace for each stream it has run a GEMM on (32 MiB on a Hopper card) in PyTorch's
-    allocator until the process ends: a new stream per capture held one more for each span, up to
-    PyTorch's pool of 32 streams (~1 GB)."""
+    """The one side stream on which every capture of the process warms up and records: cuBLAS keeps
+    a workspace for each stream it has run a GEMM on until the process ends, so a new stream per
+    capture would hold one more for each span (docs/gpu.md)."""
     return torch.cuda.Stream(device)
 
 
 def capture(step, pool, stream):
     """Run step() once, eagerly on the side `stream` (the warm-up CUDA graphs need: cuBLAS
     workspaces, kernel choices), then record it there as a CUDA graph whose replay() is the next
-    step. Why graphs pay on a GPU: a step is ~1,000-2,000 small kernels, each launched from Python
-    in a few microseconds, while the GPU runs most of them faster than that, so eagerly it waits on
-    the CPU; a replay launches the whole recorded step at once, and the step runs at the card's
-    memory bandwidth."""
+    step: a replay launches the whole recorded step at once, where eagerly the GPU waits on Python
+    to launch each small kernel."""
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         step()
@@ -131,52 +126,51 @@ def capture(step, pool, stream):
     return graph
 
 
-# ---------------------------------------------------------------- the GPU's forward
-def decode(model, tokens, cache, span, flash=False, flex=False, layer_fn=None):
+# ---------------------------------------------------------------- the GPU's parts of forward
+def decode(model, tokens, cache, span, flash=False, flex=False):
     """rollout.decode through this module's forward: next-token logits (rows, V), float32."""
-    hidden = forward(model, tokens[:, None], cache, span, flash, flex, layer_fn)
-    return model.lm_head(hidden[:, 0]).float()
+    return rollout.decode(model, tokens, cache, span,
+                          functools.partial(forward, flash=flash, flex=flex))
 
 
-def forward(model, input_ids, cache, span, flash=False, flex=False, layer_fn=None):
-    """rollout.forward in fewer kernels: the same decoder over input_ids (n, L) for the n cache
-    rows, K/V appended after seqlens (a prefill's bucket, or a decode step). SDPA reads slots
-    0..span-1 of every row; flash and flex (span unused) each row's own seqlens + L (flex: rounded
-    up to whole FLEX_BLOCKs). Each layer runs decoder_layer, or `layer_fn` (compiled_step's: with
-    its compiled regions)."""
-    base = model.model
-    n, L = input_ids.shape
-    start = cache.seqlens
-    positions = start[:, None].long() + torch.arange(L, device=input_ids.device)
+def forward(model, input_ids, cache, span, flash=False, flex=False, regions=(None, None)):
+    """rollout.forward (its one layer loop) with this module's parts: attention_setup's mask and
+    sin, decoder_layer for each layer, rms_norm for the last norm. SDPA reads slots 0..span-1 of
+    every row; flash and flex (span unused) each row's own seqlens + L (flex: rounded up to whole
+    FLEX_BLOCKs)."""
+    return rollout.forward(
+        model, input_ids, cache, span,
+        setup_fn=functools.partial(attention_setup, flash=flash, flex=flex),
+        layer_fn=functools.partial(decoder_layer, flash=flash, flex=flex, regions=regions),
+        norm_fn=rms_norm)
+
+
+def attention_setup(model, cache, positions, span, cos, sin, flash=False, flex=False):
+    """rollout.attention_setup for this module's attention: the mask (SDPA's causal bias, flex's
+    block mask, or for flash the rows' filled slots, cache.seqlens, which it masks by), and sin
+    with rope's sign folded in (signed_sin)."""
     groups = model.config.num_attention_heads // model.config.num_key_value_heads
-    mask = None  # flash masks by itself
-    if flex:
+    if flash:
+        mask = cache.seqlens
+    elif flex:
         mask = flex_block_mask(positions, groups, cache.k.shape[2])
-    elif not flash:
+    else:
         mask = rollout.causal_bias(positions, span, groups, cache.k.dtype)
-    # (n * L, hidden): 2-D matmuls, fewer ops; not a view (each layer's x is its own tensor)
-    x = base.embed_tokens(input_ids.flatten())
-    cos, sin = base.rotary_emb(x, positions)  # the model's own rope, scaling included
-    cos, sin = cos[:, :, None], signed_sin(sin)[:, :, None]  # (n, L, 1, head_dim): over the heads
-    for i, layer in enumerate(base.layers):
-        x = (layer_fn or decoder_layer)(layer, x, cache.k[i], cache.v[i], start, positions, cos,
-                                        sin, mask, flash, flex)
-    cache.seqlens += L
-    return rms_norm(base.norm, x).view(n, L, -1)
+    return mask, cos, signed_sin(sin)
 
 
-def decoder_layer(layer, x, k_cache, v_cache, start, positions, cos, sin, mask, flash=False,
-                  flex=False, regions=(None, None)):
-    """One decoder layer on the hidden states x (n * L, hidden) of positions (n, L): attention,
-    its K/V written into this layer's cache rows k_cache, v_cache (n, max_len, kv_heads,
-    head_dim) after start (seqlens), then the MLP, each with its residual. `mask`: SDPA's causal
-    bias, flex's block mask, None for flash. `regions`: the compiled forms of attention_inputs_of
-    and layer_output (compiled_step), each compiled once for every layer."""
+def decoder_layer(layer, x, k_cache, v_cache, positions, mask, cos, sin, flash=False, flex=False,
+                  regions=(None, None)):
+    """rollout.decoder_layer in fewer kernels: attention, its K/V written into this layer's cache
+    rows k_cache, v_cache (n, max_len, kv_heads, head_dim) at positions (n, L), then the MLP,
+    each with its residual, written into x. `mask`: attention_setup's. `regions`: the compiled
+    forms of attention_inputs_of and layer_output (compiled_step), each compiled once for every
+    layer."""
     inputs, output = regions
     q, k, v = (inputs or attention_inputs_of)(layer, x, cos, sin)
     attn = layer.self_attn
     if flash:
-        out = flash_attention(q, k, v, k_cache, v_cache, start, attn.scaling)
+        out = flash_attention(q, k, v, k_cache, v_cache, mask, attn.scaling)
     elif flex:
         out = flex_attention(q, k, v, k_cache, v_cache, positions, mask, attn.scaling)
     else:
@@ -195,8 +189,7 @@ def layer_output(layer, x, out):
     """The layer's output from its input x (n * L, hidden) and attention's out (n, L, ...): the
     output projection and its residual, then the MLP on the normed sum and its residual. The sums
     are written into x (the same numbers): its caller's frame still holds x while this runs, so a
-    new sum would keep one more hidden state alive through the MLP (0.12 GB in a prefill bucket
-    of the 8-GPU command, docs/gpu.md)."""
+    new sum would keep one more hidden state alive through the MLP."""
     x = x.add_(layer.self_attn.o_proj(out.reshape(x.shape[0], -1)))
     return x.add_(mlp(layer.mlp, rms_norm(layer.post_attention_layernorm, x)))
 
@@ -204,9 +197,8 @@ def layer_output(layer, x, out):
 def rms_norm(norm, x):
     """Hugging Face's RMSNorm module `norm` applied to x, the three families' formula with its
     normalizing in one F.rms_norm call: on CUDA one fused kernel (_fused_rms_norm) where the module
-    runs seven (to fp32, pow, mean, add, rsqrt, mul, back to x's dtype), 1.6 ms of a 12.2 ms step
-    at batch 256 of Qwen2.5-7B on an H200 (docs/benchmarks.md); on a CPU the module's own ops, the
-    same bits (torch 2.13's composite: an older one may round eps differently)."""
+    runs seven (to fp32, pow, mean, add, rsqrt, mul, back to x's dtype); on a CPU the module's own
+    ops, the same bits (torch 2.13's composite: an older one may round eps differently)."""
     # x / sqrt(mean(x^2) + eps) in fp32, rounded to x's dtype, then times the weight
     return norm.weight * F.rms_norm(x, x.shape[-1:], eps=norm.variance_epsilon)
 
@@ -260,9 +252,8 @@ def fuse_projections(model):
     """Join each layer's q, k and v projections into one weight, and its MLP's gate and up
     projections into another, the separate weights becoming views into them (no second copy): a
     decode step then runs 4 GEMMs a layer, not 7 (vLLM's QKVParallelLinear and
-    MergedColumnParallelLinear, gpt-fast's wqkv). At batch 256 of Qwen2.5-7B on an H200, k_proj's
-    and v_proj's own GEMMs ran at a tenth of the card's bandwidth (docs/benchmarks.md). Weights
-    replaced afterwards (`.to()`, a load) leave the fused ones stale: fuse again (as
+    MergedColumnParallelLinear, gpt-fast's wqkv; why: docs/benchmarks.md). Weights replaced
+    afterwards (`.to()`, a load) leave the fused ones stale: fuse again (as
     runtime.refresh_sampler does); fast refuses a model whose fused weights are stale.
     rollout.py's own forward reads the separate weights, views of the fused ones."""
     for layer in model.model.layers:
@@ -317,8 +308,7 @@ def check_fused(model):
 def inverse_cdf(probs, uniform):
     """rollout.inverse_cdf in two levels over a vocabulary of 16 blocks of CDF_BLOCK tokens or
     more: the same token as one cumsum over the whole vocabulary up to float64 rounding, for a
-    fraction of its memory traffic (on a GPU that cumsum over 152,064 tokens, its float64 copy and
-    scan, took 0.54 ms of a 12.2 ms step): the blocks' sums find the block, a cumsum inside it the
+    fraction of its memory traffic: the blocks' sums find the block, a cumsum inside it the
     token. Under 16 blocks, rollout's one cumsum (fewer ops). probs (n, V), uniform (n,); returns
     (tokens (n, 1), total mass (n, 1))."""
     n, V = probs.shape

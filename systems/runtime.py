@@ -11,7 +11,10 @@
   Every rank calls them at the same point, so a rank never stops alone and leaves the others waiting
   in a collective.
 - `make_sampler`, `release_sampler`, `refresh_sampler`: the compute-dtype copy of the policy that
-  rollout.generate samples from, its memory given to the training pass in between.
+  rollout.generate samples from, its memory given to the training pass in between;
+  `sampler_decoder`, the decoder it samples with on this device (the GPU's machinery, or
+  rollout's own).
+- `resolve_device_defaults`: the features a GPU run has yet to decide, resolved in one place.
 - `wrap` / `unwrap`: the policy under DDP or FSDP2 (`shard`), and the plain model inside it;
   `no_dropout` for the train mode that activation checkpointing needs; `checkpoint_activations`
   applies --recompute (systems/recompute.py).
@@ -19,6 +22,8 @@
 """
 import copy
 import ctypes
+import functools
+import math
 import os
 import sys
 
@@ -106,6 +111,32 @@ CUDA_RECOMPUTE = "full"
 BY_SEQUENCES_ON = ()
 
 
+def describe_run(args, policy, world_size, device, dtype, examples, resume_from):
+    """train.py's first line(s): the model, the ranks and device, the compute dtype, the task, the
+    configuration, the resume; on CUDA also what the sampler will attend with, by its rule."""
+    num_params = sum(p.numel() for p in unwrap(policy).parameters())
+    line = (f"{args.model}: {num_params / 1e6:.0f}M parameters on {world_size} x {device.type}, "
+            f"{str(dtype)[6:]} compute, {args.task} ({len(examples)} problems), "
+            f"{args.kl}-in-{args.place} beta={args.beta}"
+            + (f", resuming {resume_from}" if resume_from else
+               ", no checkpoint to resume" if args.resume else ""))
+    if device.type == "cuda":
+        line += "\n" + cuda_decode.attention_choice(device, dtype)[1]
+    return line
+
+
+def resolve_device_defaults(args, device):
+    """Resolve in `args` what waits for a GPU run's verdict (the rules in docs/benchmarks.md): the
+    compiled sampler (--compile-sampler unset: COMPILED_SAMPLER_ON), attention by sequences in
+    every pass (BY_SEQUENCES_ON: args.by_segments) and --recompute auto (recompute_choice); the
+    sampler's FlexAttention (FLEX_DECODE_ON) is cuda_decode.attention_choice's. Each is off on
+    every device until a GPU run turns it on."""
+    if args.compile_sampler is None:
+        args.compile_sampler = device.type in COMPILED_SAMPLER_ON
+    args.recompute = recompute_choice(args.recompute, device)
+    args.by_segments = device.type in BY_SEQUENCES_ON
+
+
 # --generate-rows auto: the share of the GPU memory free when a rollout starts that its KV cache may
 # take (the rest: the prefill's activations, the sampling step's logits over the vocabulary)
 KV_SHARE = 0.5
@@ -114,13 +145,20 @@ KV_SHARE = 0.5
 def rows_that_fit(sampler, prompts, max_new_tokens):
     """--generate-rows auto: on CUDA, how many rows' KV caches (the longest prompt + max_new_tokens
     slots each) fit in KV_SHARE of the memory free now; None on a CPU (all rows at once)."""
-    import rollout
-
     device = next(sampler.parameters()).device
     if device.type != "cuda":
         return None
-    per_row = rollout.kv_bytes(sampler, 1, max(map(len, prompts)) + max_new_tokens)
+    per_row = kv_bytes(sampler, 1, max(map(len, prompts)) + max_new_tokens)
     return max(1, int(KV_SHARE * cuda_free_for_tensors(device) // per_row))
+
+
+def kv_bytes(model, num_rows, max_len):
+    """Bytes of the KV cache rollout.cache_for_prompts allocates for num_rows rows of max_len slots
+    (K and V, every layer, in the model's dtype)."""
+    import rollout
+
+    return 2 * math.prod(rollout.cache_shape(model, num_rows, max_len)) * next(
+        model.parameters()).element_size()
 
 
 def cuda_free_for_tensors(device):
@@ -146,6 +184,12 @@ def bf16x6_cannot_run(device, capability=None):
         return (f"--logprob-dtype bf16x6 needs torch.mm's out_dtype on CUDA (torch 2.8 or later), "
                 f"this is {torch.__version__}: use --logprob-dtype float32 (auto picks it here)")
     return None
+
+
+def pass_dtypes(args, device):
+    """(--dtype, --logprob-dtype) as train.py's main resolved them: the gradient pass's, the
+    no-grad ones'."""
+    return getattr(torch, args.dtype), logprob_dtype(args.logprob_dtype, device)
 
 
 def logprob_dtype(name, device, capability=None):
@@ -306,6 +350,18 @@ def make_sampler(policy, device, dtype, fsdp):
     if device.type in FUSED_PROJECTIONS_ON:
         cuda_decode.fuse_projections(sampler)
     return sampler
+
+
+def sampler_decoder(device, compiled=False):
+    """The decoder rollout.generate samples with on `device`, chosen once where the sampler is made
+    (gpt-fast rebinds its decode step in main()): the GPU's machinery (cuda_decode.decoder: CUDA
+    graphs, fused weights, flash-attn) on CUDA, and wherever the step is compiled (--compile-
+    sampler); rollout's own forward and step elsewhere, a CPU's default."""
+    import rollout
+
+    if device.type == "cuda" or compiled:
+        return functools.partial(cuda_decode.decoder, compiled=compiled)
+    return rollout.own_decoder
 
 
 def release_sampler(sampler, policy):

@@ -170,13 +170,13 @@ def test_flash_generate_equals_hf_greedy(forced_on, monkeypatch, family, dtype):
     eos = eos_for_mixed_lengths(free)
     if dtype == torch.float32:
         out = rollout.generate(model, PREFILL_PROMPTS, 16, temperature=0, eos_token_id=eos,
-                               fast=True)
+                               decoder=cuda_decode.decoder)
         expected = [row[: row.index(eos) + 1] if eos in row else row for row in free]
         assert out.response_ids == expected
     else:
         model = model.to(dtype)
         out = rollout.generate(model, PREFILL_PROMPTS, 16, temperature=0, eos_token_id=eos,
-                               fast=True)
+                               decoder=cuda_decode.decoder)
         assert_greedy_up_to_ties(model, PREFILL_PROMPTS, out, **TIE)
     assert len({len(row) for row in out.response_ids}) >= 3, "the test needs rows of 3 lengths"
     assert forced_on.calls > 0
@@ -200,7 +200,7 @@ def test_flash_fixed_shape_loop_equals_hf_greedy(forced_on, monkeypatch, family,
         cuda_decode.fuse_projections(model)
     monkeypatch.setattr(forced_on, "calls", 0)
     out = rollout.generate(model, PREFILL_PROMPTS, 16, temperature=0, eos_token_id=eos,
-                           fast=True)
+                           decoder=cuda_decode.decoder)
     calls = forced_on.calls
     if dtype == torch.float32:
         assert out.response_ids == [row[: row.index(eos) + 1] if eos in row else row
@@ -208,7 +208,8 @@ def test_flash_fixed_shape_loop_equals_hf_greedy(forced_on, monkeypatch, family,
 
         def sampled():
             return rollout.generate(model, PREFILL_PROMPTS, 12, temperature=1.0, eos_token_id=eos,
-                                    fast=True, generator=torch.Generator().manual_seed(0))
+                                    decoder=cuda_decode.decoder,
+                                    generator=torch.Generator().manual_seed(0))
         flash = sampled()
         monkeypatch.setattr(cuda_decode, "flash_choice", lambda device, dtype: (False, "SDPA"))
         sdpa = sampled()
@@ -219,7 +220,7 @@ def test_flash_fixed_shape_loop_equals_hf_greedy(forced_on, monkeypatch, family,
     assert len({len(row) for row in out.response_ids}) >= 3, "the test needs rows of 3 lengths"
     # the decode steps went through the kernel too: more calls than the prefill's, one a layer a
     # bucket of prompts
-    assert calls > rollout.BUCKETS * model.config.num_hidden_layers
+    assert calls > rollout.PREFILL_BUCKETS * model.config.num_hidden_layers
 
 
 # ---------------------------------------------------------------- the flex branch, on the CPU
@@ -253,7 +254,8 @@ def test_flex_generate_samples_what_sdpa_samples(flex_on, monkeypatch, family):
     model = lively(tiny_model(family))
 
     def run(temperature, eos=None):
-        return rollout.generate(model, FLEX_PROMPTS, 16, temperature, eos_token_id=eos, fast=True,
+        return rollout.generate(model, FLEX_PROMPTS, 16, temperature, eos_token_id=eos,
+                                decoder=cuda_decode.decoder,
                                 generator=torch.Generator().manual_seed(0))
     eos = eos_for_mixed_lengths(run(1.0).response_ids)
     flex_on.clear()
@@ -335,7 +337,7 @@ def test_flex_forward_attends_many_new_tokens_as_sdpa_does():
     """The flex branch is not only a decode step's: as a prefill (buckets of rows of 1 to 127 new
     tokens, up to 2 blocks of folded query rows) cuda_decode.forward with flex gives the SDPA
     prefill's logits (fp32, 1e-5; seen 1.2e-6) and keys and values. generate keeps its prefill on
-    SDPA (cuda_decode.fast)."""
+    SDPA (cuda_decode.decoder)."""
     model = lively(tiny_model("qwen2"))
     prompts = sorted(FLEX_PROMPTS, key=len, reverse=True)
     caches = {flex: cache_for(model, len(prompts), 130) for flex in (True, False)}
@@ -402,8 +404,9 @@ def test_flash_nowhere_else(standin, monkeypatch):
     never called). Not where flash-attn is missing, on any GPU."""
     choice, reason = cuda_decode.flash_choice(torch.device("cpu"), torch.bfloat16)
     assert not choice and "CUDA only" in reason
-    for fast in (False, True):
-        rollout.generate(tiny_model("qwen3").bfloat16(), PROMPTS, 4, temperature=0, fast=fast)
+    for decoder in (rollout.own_decoder, cuda_decode.decoder):
+        rollout.generate(tiny_model("qwen3").bfloat16(), PROMPTS, 4, temperature=0,
+                         decoder=decoder)
     assert standin.calls == 0
     fake_gpu(monkeypatch, 9, 0)
     sys.modules.pop("flash_attn")
@@ -559,7 +562,7 @@ def test_every_capture_warms_up_and_records_on_one_side_stream(monkeypatch):
     monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
     cuda_decode.capture_stream.cache_clear()
     try:
-        for span in (128, 256, 384):  # a new span, a new graph (cuda_decode.fast)
+        for span in (128, 256, 384):  # a new span, a new graph (cuda_decode.decoder)
             cuda_decode.capture(lambda span=span: steps.append(span), None,
                             cuda_decode.capture_stream(CUDA))
     finally:
@@ -571,7 +574,7 @@ def test_every_capture_warms_up_and_records_on_one_side_stream(monkeypatch):
 
 @pytest.mark.parametrize("flex", [False, True], ids=["sdpa", "flex"])
 def test_the_fixed_shape_loop_captures_each_span_once_on_the_one_stream(monkeypatch, flex):
-    """The decode loop through cuda_decode.fast on a cache that says it is on CUDA, with
+    """The decode loop through cuda_decode.decoder on a cache that says it is on CUDA, with
     capture recorded (it runs the step once, as the real one's warm-up does, and its graph's replay
     runs the step): each span is captured once (with FlexAttention, which reads each row's own
     slots, one capture for every span), every capture gets the process's one side stream, and the
@@ -583,14 +586,14 @@ def test_the_fixed_shape_loop_captures_each_span_once_on_the_one_stream(monkeypa
     prompts, steps = FLEX_PROMPTS if flex else [[5, 6, 7], [8, 9]], 14
 
     def decoded(cuda_graphs):
-        cache, logits, _ = rollout.prefilled(model, prompts, steps)
+        cache, logits, _ = rollout.cache_for_prompts(model, prompts, steps)
         uniforms = torch.rand(len(prompts), steps, generator=torch.Generator().manual_seed(0),
                               dtype=torch.float64)
         state = rollout.new_decoding(uniforms, torch.tensor([], dtype=torch.long), 1.0, 1.0)
         with monkeypatch.context() as cuda:
             cuda.setattr(torch.Tensor, "is_cuda", property(lambda tensor: True))
-            step = cuda_decode.fast(model, cuda_graphs=cuda_graphs)[1]
-            rollout.decode_loop(model, cache, logits, state, step)
+            step = cuda_decode.decoder(model, cuda_graphs=cuda_graphs)[1]
+            rollout.sample_loop(model, cache, logits, state, step)
         return state
 
     streams, captured = [], []

@@ -150,7 +150,8 @@ def test_on_a_gpu_eval_samples_with_the_projections_joined(eval_runs, monkeypatc
     task, single, _ = eval_runs
     joined = []
     monkeypatch.setattr(evaluation.runtime, "FUSED_PROJECTIONS_ON", ("cpu",))
-    monkeypatch.setattr(evaluation, "generate", functools.partial(rollout.generate, fast=True))
+    monkeypatch.setattr(evaluation, "generate",
+                        functools.partial(rollout.generate, decoder=cuda_decode.decoder))
     monkeypatch.setattr(evaluation, "fuse_projections",
                         lambda model: joined.append(model) or cuda_decode.fuse_projections(model))
     threads = torch.get_num_threads()

@@ -6,7 +6,7 @@ On a CPU they skip with the reason. They check the CUDA-only branches the CPU su
 through stand-ins (test_cuda_paths.py): the rule that picks flash and bf16 on this GPU (and, on a
 pre-Ampere GPU with flash-attn installed, that its kernel does refuse it); the sampler's
 flash_attn_with_kvcache path against its SDPA path on the same cache; greedy generation with each,
-token by token against the model's own forward pass; the decode loop through cuda_decode.fast
+token by token against the model's own forward pass; the decode loop through cuda_decode.decoder
 replayed as a CUDA graph against its eager steps and against rollout's own step, under
 torch.cuda.set_sync_debug_mode("error"), and holding no memory after a second call (its captures'
 cuBLAS workspace); the FlexAttention branch's greedy tokens and its loop without a sync; a bf16
@@ -95,40 +95,42 @@ def test_greedy_generate_follows_the_model(monkeypatch, flash):
     model = lively(tiny_model("qwen3")).cuda().bfloat16()
     free = rollout.generate(model, PROMPTS, 24, temperature=0).response_ids
     out = rollout.generate(model, PROMPTS, 24, temperature=0,
-                           eos_token_id=eos_for_mixed_lengths(free))
+                           eos_token_id=eos_for_mixed_lengths(free), decoder=cuda_decode.decoder)
     assert_greedy_up_to_ties(model, PROMPTS, out, **BF16)
     assert len({len(row) for row in out.response_ids}) >= 2, "the test needs rows that stop"
 
 
 @pytest.mark.parametrize("flash", [True, False], ids=["flash", "sdpa"])
 def test_graphed_fixed_shape_loop_equals_eager(monkeypatch, flash):
-    """generate on CUDA (through cuda_decode.fast) in bf16 with EOS at mixed lengths, greedy
+    """generate on CUDA (through cuda_decode.decoder) in bf16 with EOS at mixed lengths, greedy
     and sampled: replaying the captured CUDA graph gives the eager step's tokens and log-probs (the
     same kernels on the same tensors), greedy tokens follow the model's own forward pass up to bf16
-    ties, and the EOS comes from rollout's own step (fast=False)."""
+    ties, and the EOS comes from rollout's own step (rollout.own_decoder)."""
     if flash and not FLASH[0]:
         pytest.skip(FLASH[1])
     if not flash:
         monkeypatch.setattr(cuda_decode, "flash_choice", lambda device, dtype: (False, "SDPA"))
     model = lively(tiny_model("qwen3")).cuda().bfloat16()
-    free = rollout.generate(model, PROMPTS, 24, temperature=0, fast=False).response_ids
+    free = rollout.generate(model, PROMPTS, 24, temperature=0).response_ids
     eos = eos_for_mixed_lengths(free)
     for temperature in (0.0, 1.0):
         out = {graphs: rollout.generate(model, PROMPTS, 24, temperature=temperature,
-                                        eos_token_id=eos, cuda_graphs=graphs,
+                                        eos_token_id=eos, decoder=functools.partial(
+                                            cuda_decode.decoder, cuda_graphs=graphs),
                                         generator=torch.Generator("cuda").manual_seed(0))
                for graphs in (True, False)}
         assert out[True].response_ids == out[False].response_ids
         torch.testing.assert_close(out[True].token_logprobs, out[False].token_logprobs,
                                    atol=1e-6, rtol=0)
-    greedy = rollout.generate(model, PROMPTS, 24, temperature=0, eos_token_id=eos)
+    greedy = rollout.generate(model, PROMPTS, 24, temperature=0, eos_token_id=eos,
+                              decoder=cuda_decode.decoder)
     assert_greedy_up_to_ties(model, PROMPTS, greedy, **BF16)
     assert len({len(row) for row in greedy.response_ids}) >= 2, "the test needs rows that stop"
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphed", "eager"])
 def test_the_fixed_shape_loop_never_syncs(graphs):
-    """The decode loop through cuda_decode.fast with EOS off (no "all done?" to ask), sampled
+    """The decode loop through cuda_decode.decoder with EOS off (no "all done?" to ask), sampled
     with top-p, under torch.cuda.set_sync_debug_mode("error"): any synchronizing CUDA operation in
     it raises."""
     model = lively(tiny_model("llama3")).cuda().bfloat16()
@@ -136,17 +138,17 @@ def test_the_fixed_shape_loop_never_syncs(graphs):
 
 
 def decode_loop_without_a_sync(model, graphs):
-    """20 steps of the decode loop through cuda_decode.fast, EOS off, top-p 0.8, under
+    """20 steps of the decode loop through cuda_decode.decoder, EOS off, top-p 0.8, under
     set_sync_debug_mode("error")."""
-    cache, logits, _ = rollout.prefilled(model, PROMPTS, 20)
+    cache, logits, _ = rollout.cache_for_prompts(model, PROMPTS, 20)
     uniforms = torch.rand(len(PROMPTS), 20, device="cuda", dtype=torch.float64)
     state = rollout.new_decoding(uniforms, torch.tensor([], dtype=torch.long, device="cuda"),
                                  1.0, 0.8)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        rollout.decode_loop(model, cache, logits, state,
-                            cuda_decode.fast(model, cuda_graphs=graphs)[1])
+        rollout.sample_loop(model, cache, logits, state,
+                            cuda_decode.decoder(model, cuda_graphs=graphs)[1])
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert int(state.step) == 20 and state.lengths.eq(20).all()
@@ -161,8 +163,9 @@ def test_flex_decode_follows_the_model_and_never_syncs(monkeypatch, graphs):
     monkeypatch.setattr(cuda_decode, "flash_choice", lambda device, dtype: (False, "SDPA"))
     monkeypatch.setattr(runtime, "FLEX_DECODE_ON", ("cuda",))
     model = lively(tiny_model("qwen3")).cuda().bfloat16()
-    free = rollout.generate(model, PROMPTS, 24, temperature=0, fast=False).response_ids
-    out = rollout.generate(model, PROMPTS, 24, temperature=0, cuda_graphs=graphs,
+    free = rollout.generate(model, PROMPTS, 24, temperature=0).response_ids
+    out = rollout.generate(model, PROMPTS, 24, temperature=0,
+                           decoder=functools.partial(cuda_decode.decoder, cuda_graphs=graphs),
                            eos_token_id=eos_for_mixed_lengths(free))
     assert_greedy_up_to_ties(model, PROMPTS, out, **BF16)
     assert len({len(row) for row in out.response_ids}) >= 2, "the test needs rows that stop"
@@ -193,7 +196,7 @@ def test_the_compiled_sampler_compiles_once_in_a_train_run(monkeypatch):
         free = rollout.generate(model, prompts, max_new_tokens, temperature=0).response_ids
         out = rollout.generate(model, prompts, max_new_tokens, temperature=0, max_rows=max_rows,
                                eos_token_id=eos_for_mixed_lengths(free) if eos else None,
-                               compiled=True)
+                               decoder=runtime.sampler_decoder(torch.device("cuda"), True))
         assert_greedy_up_to_ties(model, prompts, out, **BF16)
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # one a region
     torch._dynamo.reset()
@@ -236,7 +239,7 @@ def test_a_second_generate_holds_no_more_memory_than_the_first_left(monkeypatch)
     for seed in (0, 1):
         if seed == 1:
             before = torch.cuda.memory_allocated()
-        rollout.generate(model, PROMPTS, max_new_tokens,
+        rollout.generate(model, PROMPTS, max_new_tokens, decoder=cuda_decode.decoder,
                          generator=torch.Generator("cuda").manual_seed(seed))
         torch.cuda.synchronize()
     torch.cuda.synchronize()

@@ -63,7 +63,8 @@ def assert_cut_at_eos(out, free, eos):
         cut = next((i + 1 for i, token in enumerate(response) if token in eos), len(response))
         cuts.append(cut)
         assert out.response_ids[row] == response[:cut]
-        assert out.logprobs[row] == pytest.approx(free.logprobs[row][:cut], abs=1e-5)
+        assert out.response_logprobs[row] == pytest.approx(free.response_logprobs[row][:cut],
+                                                           abs=1e-5)
     assert sum(cut < len(r) for cut, r in zip(cuts, free.response_ids)) >= 4, \
         "the test needs rows that stop early"
     return cuts
@@ -182,7 +183,8 @@ def test_batch_equals_each_prompt_alone(model):
 
 
 def test_length_buckets_with_many_prompts(model):
-    """More distinct prompts than rollout.BUCKETS, in shuffled lengths, some repeated: each prefill
+    """More distinct prompts than rollout.PREFILL_BUCKETS, in shuffled lengths, some repeated: each
+    prefill
     bucket pads several prompts to its longest, rows are reordered longest first, attention runs per
     bucket, and rows finish at different steps; every row still equals the model's own
     computation."""
@@ -201,7 +203,8 @@ def test_length_buckets_with_many_prompts(model):
     for row, prompt in enumerate(prompts):
         logp, response = reference_logprobs(model, prompt, sampled.response_ids[row])
         expected = logp.gather(-1, response[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(sampled.logprobs[row]), expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(sampled.response_logprobs[row]), expected,
+                                   atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
@@ -211,7 +214,8 @@ def test_logprobs_match_full_forward(model, temperature):
     for row, prompt in enumerate(PROMPTS):
         logp, response = reference_logprobs(model, prompt, out.response_ids[row], temperature)
         expected = logp.gather(-1, response[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(out.logprobs[row]), expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(out.response_logprobs[row]), expected,
+                                   atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("top_p", [0.3, 0.8])
@@ -223,7 +227,8 @@ def test_top_p_stays_in_nucleus_with_renormalized_logprobs(model, top_p):
         nucleus = nucleus_logprobs(logp, top_p)
         expected = nucleus.gather(-1, response[:, None])[:, 0]
         assert torch.isfinite(expected).all(), "sampled a token outside the nucleus"
-        torch.testing.assert_close(torch.tensor(out.logprobs[row]), expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(out.response_logprobs[row]), expected,
+                                   atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("vocab", [20_000, 16_384, 5_000],
@@ -310,9 +315,9 @@ class Calls(torch.overrides.TorchFunctionMode):
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_step_norms_with_rms_norm_and_ropes_q_and_k_together_when_fused(family, fused):
-    """A GPU decode step (cuda_decode.decode) normalizes through F.rms_norm, once for each of the
-    model's norms (on CUDA one fused kernel each, where the modules' own forward runs seven: never
-    the modules' pow), and where fuse_projections joined q, k and v (and no per-head norm comes
+    """A GPU decode step (cuda_decode.decode: rollout.forward with cuda_decode's parts) normalizes
+    through F.rms_norm, once for each of the model's norms (on CUDA one fused kernel each, where
+    the modules' own forward runs seven: never the modules' pow), and where fuse_projections joined q, k and v (and no per-head norm comes
     between: not Qwen3) rotates q and k as one tensor: one rope a layer, its one torch.cat, instead
     of two."""
     model = tiny_model(family)
@@ -346,8 +351,9 @@ def test_samples_follow_the_reported_distribution():
     assert total_variation < 0.08, total_variation  # ~0.04 expected from sampling noise alone
 
 
-@pytest.mark.parametrize("fast", [False, True], ids=["rollout", "cuda_decode"])
-def test_rare_tokens_are_drawn_at_their_rate(fast):
+@pytest.mark.parametrize("decoder", [rollout.own_decoder, cuda_decode.decoder],
+                         ids=["rollout", "cuda_decode"])
+def test_rare_tokens_are_drawn_at_their_rate(decoder):
     """Tokens of probability 1e-4 to 1e-2 (the ratios 10-100 of K3's tail) over 6 decode steps:
     the number drawn in each band against its expectation, the sum over every drawn prefix of the
     band's mass under the model's own full forward pass (a compensator: equal in expectation
@@ -356,7 +362,7 @@ def test_rare_tokens_are_drawn_at_their_rate(fast):
     model, temperature, num, steps = tiny_model("qwen2"), 0.1, 4000, 6
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
     out = generate(model, [p for p in prompts for _ in range(num)], steps, temperature,
-                   generator=torch.Generator().manual_seed(4), fast=fast)
+                   generator=torch.Generator().manual_seed(4), decoder=decoder)
     bands = ((1e-4, 1e-3), (1e-3, 1e-2))
     drawn, expected = torch.zeros(len(bands)), torch.zeros(len(bands), dtype=torch.float64)
     for k, prompt in enumerate(prompts):
@@ -377,7 +383,7 @@ def test_rare_tokens_are_drawn_at_their_rate(fast):
 def test_eos_ends_exactly_its_row(model):
     max_new = 20
     free = generate(model, PROMPTS, max_new_tokens=max_new, temperature=0).response_ids
-    # the token found in most rows, so rows stop at different steps and the batch is compacted
+    # the token found in most rows, so rows stop at different steps
     eos = max(range(VOCAB), key=lambda t: sum(t in row for row in free))
     out = generate(model, PROMPTS, max_new_tokens=max_new, temperature=0, eos_token_id=eos)
     stopped = 0
@@ -442,12 +448,13 @@ def test_fused_projections_sample_as_the_separate_ones(family, fast):
     Hugging Face's (whose forward reads the views). Weights replaced after the join (here by
     `.to()`) make cuda_decode's step refuse the model until it is joined again (rollout's own
     forward reads the layers' weights, so it samples them)."""
+    decoder = cuda_decode.decoder if fast else rollout.own_decoder
     model = lively(tiny_model(family))
     eos = eos_for_mixed_lengths(generate(model, PROMPTS, 16, temperature=0).response_ids)
 
     def sampled():
         return generate(model, PROMPTS, 16, temperature=1.0, top_p=0.8, eos_token_id=eos,
-                        generator=torch.Generator().manual_seed(3), fast=fast)
+                        generator=torch.Generator().manual_seed(3), decoder=decoder)
     separate, before = sampled(), storage_bytes(model)
     fuse_projections(model)
     assert storage_bytes(model) == before
@@ -458,19 +465,19 @@ def test_fused_projections_sample_as_the_separate_ones(family, fast):
     assert fused.response_ids == separate.response_ids
     assert len(set(map(len, fused.response_ids))) > 1, "the test needs rows that stop"
     torch.testing.assert_close(fused.token_logprobs, separate.token_logprobs, atol=1e-5, rtol=0)
-    greedy = generate(model, PROMPTS, 16, temperature=0, fast=fast)
+    greedy = generate(model, PROMPTS, 16, temperature=0, decoder=decoder)
     for row, prompt in enumerate(PROMPTS):
         assert greedy.response_ids[row] == hf_greedy(model, prompt, 16)
     # weights replaced after the join would leave it stale: generate refuses, until joined again
     model.to(torch.float64)
     if fast:
         with pytest.raises(ValueError, match="fuse them again"):
-            generate(model, PROMPTS, 4, temperature=0, fast=fast)
+            generate(model, PROMPTS, 4, temperature=0, decoder=decoder)
     else:
         assert generate(model, PROMPTS, 4, temperature=0).tokens.shape == (len(PROMPTS), 4)
     cuda_decode.unfuse_projections(model)
     fuse_projections(model)
-    assert generate(model, PROMPTS, 4, temperature=0, fast=fast).response_ids == \
+    assert generate(model, PROMPTS, 4, temperature=0, decoder=decoder).response_ids == \
         [row[:4] for row in greedy.response_ids]
 
 
@@ -533,7 +540,8 @@ def test_smollm2_greedy_and_logprobs(smollm2):
     for row, prompt in enumerate(prompts):
         logp, response = reference_logprobs(model, prompt, out.response_ids[row])
         expected = logp.gather(-1, response[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(out.logprobs[row]), expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(out.response_logprobs[row]), expected,
+                                   atol=1e-4, rtol=0)
 
 
 def test_smollm2_bf16_runs(smollm2):
@@ -556,6 +564,6 @@ def test_smollm2_bf16_runs(smollm2):
     for row, prompt in enumerate(prompts):
         logp, response = reference_logprobs(fp32_model, prompt, out.response_ids[row])
         expected = logp.gather(-1, response[:, None])[:, 0]
-        differences += (torch.tensor(out.logprobs[row]) - expected).abs().tolist()
+        differences += (torch.tensor(out.response_logprobs[row]) - expected).abs().tolist()
     differences = torch.tensor(differences)
     assert differences.mean() < 0.08 and differences.quantile(0.9) < 0.2, differences

@@ -32,12 +32,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import rollout
-from systems import cuda_decode
+from systems import cuda_decode, runtime
 from test_rollout import (FAMILIES, PROMPTS, VOCAB, assert_cut_at_eos, eos_for_mixed_lengths,
                           hf_greedy, lively, nucleus_logprobs, reference_logprobs, tiny_model)
 
 ROOT = Path(__file__).resolve().parents[1]
-# 7 rows of 1-19 prompt tokens, one prompt twice: more rows than rollout.BUCKETS
+# 7 rows of 1-19 prompt tokens, one prompt twice: more rows than rollout.PREFILL_BUCKETS
 MIXED = PROMPTS + [[9, 8, 7, 6, 5, 4, 3, 2, 1, 11, 12], [60, 61]]
 # two fp32 logits this close are a tie: rounding may break it either way (classroom E7's rule)
 TIE = 1e-4
@@ -70,12 +70,12 @@ class AtenOps(TorchDispatchMode):
 def started(model, prompts, max_new_tokens, eos, temperature=1.0, top_p=1.0, seed=0):
     """generate's fixed-shape loop up to its first step: the prefilled cache and the state after
     token 0. Returns (cache, state, span), span = every slot of the cache (a valid SDPA span)."""
-    cache, logits, row_of_slot = rollout.prefilled(model, prompts, max_new_tokens)
+    cache, logits, row_of_slot = rollout.cache_for_prompts(model, prompts, max_new_tokens)
     generator = torch.Generator().manual_seed(seed)
     uniforms = torch.rand(len(prompts), max_new_tokens, generator=generator, dtype=torch.float64)
     state = rollout.new_decoding(uniforms[row_of_slot], torch.tensor(eos, dtype=torch.long),
                                  temperature, top_p)
-    rollout.take(logits, state)
+    rollout.record_sample(logits, state)
     return cache, state, cache.k.shape[2]
 
 
@@ -116,17 +116,20 @@ def test_the_same_samples_as_the_full_forward_pass(family, temperature, top_p):
     every token of rollout's is the one its uniform picks by inverse CDF from the model's own full
     forward pass (or a tie), cuda_decode's rows equal rollout's (or first differ at a tie), greedy
     rows equal Hugging Face's generate, and every log-prob equals the full forward pass's (1e-4, as
-    test_rollout.py's) and the other step's; the compaction loop's rows (a CPU's default,
-    systems/compaction.py) equal rollout's too, or first differ at a tie."""
+    test_rollout.py's) and the other step's; a CPU's default decoder (runtime.sampler_decoder, what
+    train.py samples with here) is rollout's own: the same tokens and log-probs, bit for bit."""
     model = lively(tiny_model(family))
 
-    def run(fast, eos_token_id):
+    def run(decoder, eos_token_id):
         return rollout.generate(model, MIXED, 16, temperature, top_p, eos_token_id=eos_token_id,
-                                generator=torch.Generator().manual_seed(0), fast=fast)
-    eos = eos_for_mixed_lengths(run(False, None).response_ids)
-    # out[True]: rollout's own step; out[False]: cuda_decode's; compacted: a CPU's default
-    out = {own: run(not own, eos) for own in (True, False)}
-    compacted = run(None, eos)
+                                generator=torch.Generator().manual_seed(0), decoder=decoder)
+    eos = eos_for_mixed_lengths(run(rollout.own_decoder, None).response_ids)
+    # out[True]: rollout's own step; out[False]: cuda_decode's; default: a CPU's default
+    out = {own: run(rollout.own_decoder if own else cuda_decode.decoder, eos)
+           for own in (True, False)}
+    default = run(runtime.sampler_decoder(torch.device("cpu")), eos)
+    assert torch.equal(default.tokens, out[True].tokens)
+    assert torch.equal(default.token_logprobs, out[True].token_logprobs)
     uniforms = torch.rand(len(MIXED), 16, generator=torch.Generator().manual_seed(0),
                           dtype=torch.float64)  # generate's own draw
     assert len({len(row) for row in out[True].response_ids}) >= 3, "the test needs 3 lengths"
@@ -134,8 +137,6 @@ def test_the_same_samples_as_the_full_forward_pass(family, temperature, top_p):
         ours, today = out[True].response_ids[row], out[False].response_ids[row]
         assert_differs_at_a_tie(model, prompt, ours, today, temperature, top_p, uniforms[row])
         assert_drawn_by_its_uniforms(model, prompt, ours, temperature, top_p, uniforms[row])
-        assert_differs_at_a_tie(model, prompt, ours, compacted.response_ids[row], temperature,
-                                top_p, uniforms[row])
         if temperature == 0:
             hf = hf_greedy(model, prompt, 16, eos_token_id=eos)
             assert_differs_at_a_tie(model, prompt, ours, hf, 0, 1, None)
@@ -144,14 +145,14 @@ def test_the_same_samples_as_the_full_forward_pass(family, temperature, top_p):
             logp = nucleus_logprobs(logp, top_p)
         expected = (logp.gather(-1, response[:, None])[:, 0] if temperature
                     else torch.zeros(len(ours)))
-        torch.testing.assert_close(torch.tensor(out[True].logprobs[row]), expected, atol=1e-4,
-                                   rtol=0)
+        torch.testing.assert_close(torch.tensor(out[True].response_logprobs[row]), expected,
+                                   atol=1e-4, rtol=0)
         if ours == today:
-            assert out[True].logprobs[row] == pytest.approx(out[False].logprobs[row], abs=1e-4)
+            assert out[True].response_logprobs[row] == pytest.approx(
+                out[False].response_logprobs[row], abs=1e-4)
     for name in ("tokens", "token_logprobs", "response_mask"):  # padding after each row's end
         assert getattr(out[True], name).shape == getattr(out[False], name).shape
     assert torch.equal(out[True].response_mask, out[False].response_mask)
-    assert torch.equal(out[True].response_mask, compacted.response_mask)
 
 
 def assert_drawn_by_its_uniforms(model, prompt, ours, temperature, top_p, uniforms):
@@ -185,7 +186,7 @@ def test_a_row_depends_on_the_seed_and_its_index_only():
 
     def run(prompts, eos_token_id=None):
         return rollout.generate(model, prompts, 14, temperature=1.0, eos_token_id=eos_token_id,
-                                generator=torch.Generator().manual_seed(3), fast=False)
+                                generator=torch.Generator().manual_seed(3))
     assert run(PROMPTS[1:]).response_ids[0] == run(PROMPTS[1:2]).response_ids[0]
     free = run(PROMPTS * 3)
     eos = sorted(range(VOCAB), key=lambda t: -sum(t in row for row in free.response_ids))[:2]
@@ -195,8 +196,9 @@ def test_a_row_depends_on_the_seed_and_its_index_only():
 
 
 
-@pytest.mark.parametrize("fast", [False, True, None], ids=["rollout", "cuda_decode", "compaction"])
-def test_rows_in_chunks_are_the_samples_of_one_call(fast):
+@pytest.mark.parametrize("decoder", [rollout.own_decoder, cuda_decode.decoder],
+                         ids=["rollout", "cuda_decode"])
+def test_rows_in_chunks_are_the_samples_of_one_call(decoder):
     """generate(max_rows=3, then 4) on 9 rows (chunks of 3, 3, 3, then 4, 4, 1), sampled with
     top-p 0.8 and EOS at mixed lengths: every row equals one call's (or first
     differs at a tie: another batch size may round a logit otherwise), log-probs within 1e-5, and
@@ -206,7 +208,7 @@ def test_rows_in_chunks_are_the_samples_of_one_call(fast):
 
     def run(max_rows, eos_token_id=None):
         return rollout.generate(model, prompts, 16, 1.0, 0.8, eos_token_id=eos_token_id,
-                                generator=torch.Generator().manual_seed(5), fast=fast,
+                                generator=torch.Generator().manual_seed(5), decoder=decoder,
                                 max_rows=max_rows)
     eos = eos_for_mixed_lengths(run(None).response_ids)
     whole = run(None, eos)
@@ -219,7 +221,8 @@ def test_rows_in_chunks_are_the_samples_of_one_call(fast):
             ours, one_call = chunked.response_ids[row], whole.response_ids[row]
             assert_differs_at_a_tie(model, prompt, ours, one_call, 1.0, 0.8, uniforms[row])
             if ours == one_call:
-                assert chunked.logprobs[row] == pytest.approx(whole.logprobs[row], abs=1e-5)
+                assert chunked.response_logprobs[row] == pytest.approx(
+                    whole.response_logprobs[row], abs=1e-5)
         assert chunked.tokens.shape == whole.tokens.shape
         assert torch.equal(chunked.response_mask, whole.response_mask)
         assert not (chunked.tokens * (1 - chunked.response_mask.long())).any()
@@ -231,11 +234,11 @@ def test_rows_in_chunks_are_the_samples_of_one_call(fast):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_kv_bytes_is_the_cache_prefilled_allocates(family):
     """kv_bytes, which --generate-rows auto divides the free GPU memory by, counts exactly the K
-    and V tensors prefilled() allocates (grouped-query heads, the model's dtype)."""
+    and V tensors cache_for_prompts allocates (grouped-query heads, the model's dtype)."""
     model = tiny_model(family).to(torch.bfloat16)
-    cache, _, _ = rollout.prefilled(model, MIXED, 7)
+    cache, _, _ = rollout.cache_for_prompts(model, MIXED, 7)
     allocated = sum(t.numel() * t.element_size() for t in (cache.k, cache.v))
-    assert rollout.kv_bytes(model, len(MIXED), max(map(len, MIXED)) + 7) == allocated
+    assert runtime.kv_bytes(model, len(MIXED), max(map(len, MIXED)) + 7) == allocated
 
 
 # ---------------------------------------------------------------- what a CUDA graph needs
@@ -264,7 +267,7 @@ def test_a_step_never_waits_for_the_host(family):
     for _ in range(9):
         for fast, (cache, state, span) in caches.items():
             with AtenOps() as ops:
-                (cuda_decode.static_step if fast else rollout.decode_step)(model, cache, state,
+                (cuda_decode.static_step if fast else rollout.sample_step)(model, cache, state,
                                                                            span)
             assert ops.syncs == [], fast
 
@@ -277,7 +280,7 @@ def test_generate_asks_the_host_once_every_k_steps():
 
     def syncs(max_new_tokens):
         with AtenOps() as ops:
-            rollout.generate(model, MIXED, max_new_tokens, eos_token_id=[VOCAB - 1], fast=False,
+            rollout.generate(model, MIXED, max_new_tokens, eos_token_id=[VOCAB - 1],
                              generator=torch.Generator().manual_seed(0))
         return len(ops.syncs)
     k, base = rollout.ALL_DONE_EVERY, syncs(1)
@@ -294,7 +297,7 @@ def test_the_step_writes_in_place():
                                  temperature=0.0)
     before = tensors(cache, state)
     for _ in range(11):
-        rollout.decode_step(model, cache, state, span)
+        rollout.sample_step(model, cache, state, span)
         assert tensors(cache, state) == before
     assert state.done.any() and not state.done.all(), "the test needs rows that finish"
 
@@ -309,7 +312,7 @@ def test_the_step_traces_as_one_graph(family, fused):
     model = tiny_model(family)
     if fused:
         cuda_decode.fuse_projections(model)
-    plain = cuda_decode.static_step if fused else rollout.decode_step
+    plain = cuda_decode.static_step if fused else rollout.sample_step
     torch._dynamo.reset()
     step = torch.compile(plain, fullgraph=True, backend="eager")
     eager, traced = (started(model, MIXED, 5, eos=[3], top_p=0.8) for _ in range(2))
@@ -340,7 +343,7 @@ def test_a_step_runs_no_more_ops_than_hf_generate(family, temperature, top_p):
     model = smollm2_layout() if family == "smollm2-layout" else tiny_model(family)
     prompts = [[5, 6, 7, 8 + row] for row in range(4)]
     ours = {}
-    for step in (cuda_decode.static_step, rollout.decode_step):
+    for step in (cuda_decode.static_step, rollout.sample_step):
         cache, state, span = started(model, prompts, 8, eos=[VOCAB - 1], temperature=temperature,
                                      top_p=top_p)
         with AtenOps() as ops:
@@ -439,10 +442,11 @@ def test_bench_decode_writes_each_repeat_as_it_goes(tmp_path):
 
 
 def test_the_compiled_step_plumbs_through_generate(monkeypatch):
-    """generate(compiled=True) runs cuda_decode.compiled_step in the decode loop (traced here with a
-    backend that runs the traced graph as it is), whose compiled graphs are a decoder layer's two
-    regions around attention, without the sampler, each run for both layers, and samples what the
-    plain step samples; generate (fast=False), rollout's own step, ignores it. One trace a region
+    """The compiled decoder (runtime.sampler_decoder(compiled=True), train.py --compile-sampler)
+    runs cuda_decode.compiled_step in the decode loop (traced here with a backend that runs the
+    traced graph as it is), whose compiled graphs are a decoder layer's two regions around
+    attention, without the sampler, each run for both layers, and samples what the plain step
+    samples; rollout's own decoder (a CPU's default) never compiles. One trace a region
     serves every span and cache length (other prompts and max_new_tokens): a specialized compile
     would trace again."""
     model = tiny_model("qwen3")
@@ -459,10 +463,10 @@ def test_the_compiled_step_plumbs_through_generate(monkeypatch):
     compiled_step = cuda_decode.compiled_step
     monkeypatch.setattr(cuda_decode, "compiled_step", traced)
 
-    def run(compiled, fast=None, prompts=MIXED, max_new_tokens=10):
+    def run(compiled, prompts=MIXED, max_new_tokens=10):
+        decoder = runtime.sampler_decoder(torch.device("cpu"), compiled)
         return rollout.generate(model, prompts, max_new_tokens, 1.0, 0.8, eos_token_id=[3],
-                                fast=fast, generator=torch.Generator().manual_seed(1),
-                                compiled=compiled)
+                                generator=torch.Generator().manual_seed(1), decoder=decoder)
     plain, compiled = run(False), run(True)
     assert calls == [1] and len(traces) == 2
     # the model's part only: Inductor's split scan fails on the sampler's cumsum (pytorch#180221)
@@ -470,7 +474,7 @@ def test_the_compiled_step_plumbs_through_generate(monkeypatch):
                for trace in traces)
     assert plain.response_ids == compiled.response_ids
     torch.testing.assert_close(plain.token_logprobs, compiled.token_logprobs)
-    run(True, fast=False)
+    run(False)
     assert calls == [1]
     run(True, prompts=[p + [5, 6, 7] for p in MIXED], max_new_tokens=6)  # a new span and length
     assert calls == [1, 1] and len(traces) == 2, traces
@@ -518,16 +522,17 @@ def test_the_compiled_step_compiles_once_in_a_train_run(monkeypatch):
                         functools.partial(cuda_decode.compiled_step,
                                           graph_counter(graphs, backend=compile_fx)))
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)  # a region's second
-    spans, fast = set(), cuda_decode.fast
+    spans = set()
 
-    def recorded(model, compiled, cuda_graphs):  # which spans the steps read
-        forward, step = fast(model, compiled, cuda_graphs)
+    def recorded(compiled):  # cuda_decode's decoder, recording which spans the steps read
+        def decoder(model):
+            forward, step = cuda_decode.decoder(model, compiled)
 
-        def record(model, cache, state, span):
-            spans.add("below max_len" if span < cache.k.shape[2] else "max_len")
-            step(model, cache, state, span)
-        return forward, record
-    monkeypatch.setattr(cuda_decode, "fast", recorded)
+            def record(model, cache, state, span):
+                spans.add("below max_len" if span < cache.k.shape[2] else "max_len")
+                step(model, cache, state, span)
+            return forward, record
+        return decoder
     calls = [  # (prompts: a step's problems, each G = 2 times; max_new_tokens; EOS; max_rows)
         ([p for p in MIXED[:3] for _ in range(2)], 20, [3], None),  # span = max_len from step 1
         ([p + [9] * 5 for p in MIXED[2:5] for _ in range(2)], 140, None, None),  # 128, max_len
@@ -535,9 +540,9 @@ def test_the_compiled_step_compiles_once_in_a_train_run(monkeypatch):
     ]
     for prompts, max_new_tokens, eos, max_rows in calls:
         plain, compiled = (rollout.generate(model, prompts, max_new_tokens, 1.0, 0.8,
-                                            eos_token_id=eos, max_rows=max_rows, fast=True,
+                                            eos_token_id=eos, max_rows=max_rows,
                                             generator=torch.Generator().manual_seed(2),
-                                            compiled=compiled)
+                                            decoder=recorded(compiled))
                            for compiled in (False, True))
         assert plain.response_ids == compiled.response_ids
         torch.testing.assert_close(plain.token_logprobs, compiled.token_logprobs)
@@ -577,7 +582,9 @@ def test_inductor_compiles_the_layer_on_a_cpu():
     counters.clear()
     for prompts, max_new_tokens in ((MIXED, 10), ([p + [5, 6, 7] for p in MIXED[:4]], 6)):
         plain, compiled = (rollout.generate(model, prompts, max_new_tokens, 1.0, 0.8,
-                                            eos_token_id=[3], fast=True, compiled=compiled,
+                                            eos_token_id=[3],
+                                            decoder=functools.partial(cuda_decode.decoder,
+                                                                      compiled=compiled),
                                             generator=torch.Generator().manual_seed(3))
                            for compiled in (False, True))
         assert plain.response_ids == compiled.response_ids
@@ -586,30 +593,31 @@ def test_inductor_compiles_the_layer_on_a_cpu():
     torch._dynamo.reset()
 
 
-def test_compaction_attends_per_bucket_and_draws_by_blocks(monkeypatch):
-    """The CPU's loop (systems/compaction.py) as studies/one-loop-cpu timed it and as the default run
-    sampled before the reader's edition: each bucket of live rows (rollout.BUCKETS) reads the slots
-    of its own longest row, not the longest live row's, and tokens come from cuda_decode's inverse
-    CDF by blocks. One span for all rows had changed the default run's samples (a token in 1 of 32
-    rows in fp32)."""
-    from systems import compaction
-
+def test_a_cpu_samples_with_rollouts_own_loop(monkeypatch):
+    """A CPU's default decoder (runtime.sampler_decoder, what train.py and eval.py sample with
+    here) is rollout.py's own loop, the code a reader reads (classroom E7's `decode`): each decode
+    step calls rollout.decode once for every row, attends through rollout.sdpa_attention once a
+    layer over one span common to the rows, and draws with rollout.inverse_cdf; nothing of
+    systems/cuda_decode.py runs."""
     model = tiny_model("llama3").eval()
-    spans, attention = [], rollout.sdpa_attention
+    decodes, spans, draws = [], [], []
+    decode, attention, inverse_cdf = rollout.decode, rollout.sdpa_attention, rollout.inverse_cdf
 
-    def recorded(q, k, v, k_cache, v_cache, positions, bias, scale):
-        if positions.shape[1] == 1:  # a decode step's call: (its rows' new slots, the span read)
-            spans.append((positions[:, 0].tolist(), bias.shape[-1]))
+    def recorded_attention(q, k, v, k_cache, v_cache, positions, bias, scale):
+        if positions.shape[1] == 1:  # a decode step's call: (its rows, the span read)
+            spans.append((len(positions), bias.shape[-1]))
         return attention(q, k, v, k_cache, v_cache, positions, bias, scale)
-    monkeypatch.setattr(rollout, "sdpa_attention", recorded)
-    draws, blocks = [], cuda_decode.inverse_cdf
-    monkeypatch.setattr(cuda_decode, "inverse_cdf",
-                        lambda probs, uniform: draws.append(len(probs)) or blocks(probs, uniform))
-    generator = torch.Generator().manual_seed(0)
-    rollout.generate(model, MIXED, 5, eos_token_id=None, generator=generator)  # CPU: compaction
-    assert spans and len(draws) == 5, (spans, draws)
-    # each call is one bucket of the 7 live rows (at most 2 of them), reading up to its own newest
-    # slot; the buckets of one step read different spans
-    bucket = math.ceil(len(MIXED) / rollout.BUCKETS)
-    assert all(len(slots) <= bucket and span == max(slots) + 1 for slots, span in spans), spans
-    assert len({span for _, span in spans[:rollout.BUCKETS]}) > 1, spans
+    monkeypatch.setattr(rollout, "decode", lambda model, tokens, *rest: decodes.append(
+        len(tokens)) or decode(model, tokens, *rest))
+    monkeypatch.setattr(rollout, "sdpa_attention", recorded_attention)
+    monkeypatch.setattr(rollout, "inverse_cdf", lambda probs, uniform: draws.append(
+        len(probs)) or inverse_cdf(probs, uniform))
+    for name in ("forward", "static_step", "inverse_cdf", "decoder_layer"):
+        monkeypatch.setattr(cuda_decode, name, lambda *a, **k: pytest.fail("cuda_decode ran"))
+    decoder = runtime.sampler_decoder(torch.device("cpu"))
+    rollout.generate(model, MIXED, 5, eos_token_id=None, generator=torch.Generator().manual_seed(0),
+                     decoder=decoder)
+    layers = model.config.num_hidden_layers
+    assert decoder is rollout.own_decoder
+    assert decodes == [len(MIXED)] * 4 and draws == [len(MIXED)] * 5, (decodes, draws)
+    assert len(spans) == 4 * layers and all(rows == len(MIXED) for rows, _ in spans), spans

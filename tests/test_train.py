@@ -44,7 +44,7 @@ METRICS = ("step", "reward", "accuracy", "return", "kl_k1", "kl_k3", "loss", "pg
 # ---------------------------------------------------------------- test-only patches
 # (applied outside train.py)
 def row_seeded_generate(generate, model, prompts, max_new_tokens, temperature=1.0, top_p=1.0,
-                        eos_token_id=None, generator=None, max_rows=None, compiled=False):
+                        eos_token_id=None, generator=None, max_rows=None, decoder=None):
     """`generate`, one sequence at a time (whatever max_rows), seeded by (prompt, its index among
     equal prompts)."""
     import rollout
@@ -54,7 +54,7 @@ def row_seeded_generate(generate, model, prompts, max_new_tokens, temperature=1.
         index = seen[tuple(prompt)] = seen.get(tuple(prompt), -1) + 1
         row_generator = torch.Generator().manual_seed(hash((tuple(prompt), index)) % 2**63)
         outs.append(generate(model, [prompt], max_new_tokens, temperature, top_p, eos_token_id,
-                             row_generator, compiled=compiled))
+                             row_generator, decoder=decoder or rollout.own_decoder))
     width = max(out.tokens.shape[1] for out in outs)
     pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]))  # noqa: E731
     return rollout.Rollout(*(torch.cat([pad(getattr(out, name)) for out in outs])
@@ -1073,18 +1073,38 @@ def test_the_evaluation_of_eval_every_follows_generate_rows(tiny, tmp_path):
     assert calls and all(rows == 3 for _, rows in calls) and max(n for n, _ in calls) > 3, calls
 
 
+def test_a_cpu_run_samples_with_rollouts_own_decode(tiny, tmp_path):
+    """The default run on a CPU samples with rollout.py's own loop, the code a reader reads: every
+    decode step of every rollout calls rollout.decode (classroom E7's), for every row at once, and
+    nothing of systems/cuda_decode.py runs (its decoder and forward would fail the run)."""
+    import rollout
+
+    decode, calls = rollout.decode, []
+
+    def counted(model, tokens, *rest):
+        calls.append(len(tokens))
+        return decode(model, tokens, *rest)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("cuda_decode ran on a CPU's default run")
+    train(flags(tiny, tmp_path, "--steps", "2"), rollout__decode=counted,
+          systems__cuda_decode__decoder=refused, systems__cuda_decode__forward=refused)
+    # 2 steps x 4 decode steps (5 new tokens, the first from the prefill), 16 rows each
+    assert calls == [16] * 8, calls
+
+
 def test_compile_sampler_reaches_generate_and_resumes_either_way(tiny, tmp_path):
     """--compile-sampler: each rollout's generate call compiles its decode step
-    (cuda_decode.compiled_step, through generate(compiled=True)); unset, it is on exactly where
-    runtime.COMPILED_SAMPLER_ON names the device (none yet: off here; named, on). It changes the
-    samples' rounding only, so a checkpoint resumes with it set the other way."""
+    (cuda_decode.compiled_step, through runtime.sampler_decoder's compiled decoder); unset, it is
+    on exactly where runtime.COMPILED_SAMPLER_ON names the device (none yet: off here; named, on).
+    It changes the samples' rounding only, so a checkpoint resumes with it set the other way."""
     import rollout
 
     generate, calls = rollout.generate, []
 
-    def recorded(*args, compiled=False, **kwargs):
-        calls.append(compiled)
-        return generate(*args, compiled=compiled, **kwargs)
+    def recorded(*args, decoder=rollout.own_decoder, **kwargs):
+        calls.append(getattr(decoder, "keywords", {}).get("compiled", False))
+        return generate(*args, decoder=decoder, **kwargs)
     train(flags(tiny, tmp_path / "run", "--steps", "1", "--save-every", "1"),
           rollout__generate=recorded)
     train(flags(tiny, tmp_path / "run", "--steps", "2", "--compile-sampler", "--resume"),

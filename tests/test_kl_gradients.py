@@ -220,24 +220,34 @@ def test_truncated_k3_rows_by_enumeration(one_thread):
     assert (E["k3r_below_10"] - E["k3_reward"]).abs().max() > 0.05
 
 
+def every_response_of_a_peaked_pair(tiny_llama):
+    """pi and pi_ref, tiny Llamas of vocabulary 8, peaked apart (some pi_ref / pi > 13, so K3 > 10
+    is clamped); every response of T = 2 tokens (64, one packed sequence): (pi, choose_subsets'
+    (params, subsets, weights) of its last layer, mask, (logp, logp_all) of pi with a graph,
+    (ref_logp, ref_all))."""
+    pi, ref = tiny_llama(8, seed=0), tiny_llama(8, seed=1)
+    with torch.no_grad():
+        pi.lm_head.weight.mul_(40)
+        ref.lm_head.weight.mul_(40)
+    ref.requires_grad_(False)
+    subsets = K.choose_subsets(pi, "-1.self_attn,-1.mlp", 100, seed=0)
+    tokens = torch.cartesian_prod(torch.arange(8), torch.arange(8))
+    prompts, mask = [[1, 2, 3]] * len(tokens), torch.ones(len(tokens), 2)
+    policy = K.vocab_logprobs(pi, prompts, tokens, mask)
+    with torch.no_grad():
+        reference = K.vocab_logprobs(ref, prompts, tokens, mask)
+    return pi, subsets, mask, policy, reference
+
+
 def test_exact_rows_on_a_tiny_llama_by_enumeration(tiny_llama, one_thread):
     """Every response of T = 2 tokens of a tiny Llama (vocabulary 8: 64 responses, one packed
     sequence), each weighted by pi(y): through vocab_logprobs, exact_coefficients and
     group_gradients (kept coordinates of the last layer), E[p2 + f] = grad KL(pi || pi_ref),
     E[p3] = E[K3-in-loss] and E[p2] = E[K2-in-loss] (the trainer's kl_loss on the sampled
     tokens), E[verl] = E[K3-in-reward with verl's clamp] (pi and pi_ref peaked apart: it clamps)."""
-    pi, ref = tiny_llama(8, seed=0), tiny_llama(8, seed=1)
-    with torch.no_grad():  # peaked, apart: some pi_ref / pi > 13, so K3 > 10 is clamped
-        pi.lm_head.weight.mul_(40)
-        ref.lm_head.weight.mul_(40)
-    ref.requires_grad_(False)
-    params, subsets, weights = K.choose_subsets(pi, "-1.self_attn,-1.mlp", 100, seed=0)
+    pi, (params, subsets, weights), mask, (logp, logp_all), (ref_logp, ref_all) = \
+        every_response_of_a_peaked_pair(tiny_llama)
     assert weights[0] == sum(p.numel() for p in pi.model.layers[-1].self_attn.parameters()) / 100
-    tokens = torch.cartesian_prod(torch.arange(8), torch.arange(8))
-    prompts, mask = [[1, 2, 3]] * len(tokens), torch.ones(len(tokens), 2)
-    logp, logp_all = K.vocab_logprobs(pi, prompts, tokens, mask)
-    with torch.no_grad():
-        ref_logp, ref_all = K.vocab_logprobs(ref, prompts, tokens, mask)
     prob = logp.sum(-1).exp().detach()
     assert abs(prob.sum().item() - 1) < 1e-5  # all responses, and log pi over the vocabulary
     exact, prefix = K.exact_coefficients(logp_all, ref_all, mask, group_size=1, num_tokens=1)
@@ -641,17 +651,8 @@ def test_preset_exact_rows_on_a_tiny_llama_by_enumeration(tiny_llama, one_thread
     preset's exact row (the term summed over the vocabulary at each prefix) is the expectation of
     its sampled row, in the loss and in the reward to go; the clamps move it off its toy verdict's
     row; a sequence-level or seq-mean term has none."""
-    pi, ref = tiny_llama(8, seed=0), tiny_llama(8, seed=1)
-    with torch.no_grad():
-        pi.lm_head.weight.mul_(40)
-        ref.lm_head.weight.mul_(40)
-    ref.requires_grad_(False)
-    params, subsets, _ = K.choose_subsets(pi, "-1.self_attn,-1.mlp", 100, seed=0)
-    tokens = torch.cartesian_prod(torch.arange(8), torch.arange(8))
-    prompts, mask = [[1, 2, 3]] * len(tokens), torch.ones(len(tokens), 2)
-    logp, logp_all = K.vocab_logprobs(pi, prompts, tokens, mask)
-    with torch.no_grad():
-        ref_logp, ref_all = K.vocab_logprobs(ref, prompts, tokens, mask)
+    _, (params, subsets, _), mask, (logp, logp_all), (ref_logp, ref_all) = \
+        every_response_of_a_peaked_pair(tiny_llama)
     prob = logp.sum(-1).exp().detach()
     ids = ["nemo-k3", "nemo-k3-before-2506", "openrlhf-k3-loss", "openrlhf-k1-reward",
            "nemo-k3-onpolicy-approx", "paper-k3-loss", "slime-low-var-kl",

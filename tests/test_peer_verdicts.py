@@ -263,9 +263,20 @@ def test_smollm2_is_inherited_by_equal_expectations_only(committed):
         measured = rows[preset_id]["smollm2"]
         assert measured["row"] == "K2-in-loss" and measured["how"].startswith("inherited")
         assert measured["step 20"]["cos"] == pytest.approx(k2["cos"], rel=1e-9)
-    # a clamp that acts on the toy's far settings: not K3-in-loss, not K1-in-reward
+    # a clamp that acts on the toy's far settings: not K3-in-loss, not K1-in-reward, but a row
+    # of its own in studies/peer-kl/smollm2/ (its figures are that run's), or none
+    own = json.loads((STUDY / "smollm2" / "results.json").read_text()) if (
+        STUDY / "smollm2" / "results.json").is_file() else None
     for preset_id in ("verl-low-var-kl-loss", "skyrl-k3-loss", "openrlhf-k1-reward", "nemo-k3"):
-        assert rows[preset_id]["smollm2"] is None
+        measured = rows[preset_id]["smollm2"]
+        if own is None:
+            assert measured is None
+            continue
+        assert measured["row"] is None and measured["how"].startswith("measured: its own row")
+        (distance,) = [d for d in own["distances"] if d["label"] == "step 20"]
+        row = distance["views"]["layer"]["terms"][f"preset:{preset_id}"]
+        assert measured["step 20"]["cos"] == pytest.approx(row["cos"], rel=1e-9)
+        assert measured["step 20"]["exact_row"] == (preset_id != "skyrl-k3-loss")
     assert rows["verl-k3plus-reward"]["smollm2"]["row"] == "K3-in-reward, verl's clamp"
     assert rows["project-k3-loss"]["smollm2"]["how"] == "measured"
     # the rule itself: equal E[g] in every setting, or nothing

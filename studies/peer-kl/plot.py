@@ -38,6 +38,8 @@ def smollm2_text(row):
         return "not measured"
     if row["smollm2"]["how"] == "measured":
         return "measured"
+    if row["smollm2"]["row"] is None:  # its own row: studies/peer-kl/smollm2/, the last layer
+        return "own row (last layer)"
     return f"= {row['smollm2']['row']}"
 
 

@@ -38,6 +38,8 @@ from lab.kl_presets import PRESETS  # noqa: E402
 WHOLE = ROOT / "studies" / "kl-gradients-whole"
 # the measurement of each distance: the registered run (step 20) and the width rule's extension
 MEASURED = {"step 20": WHOLE / "results.json", "step 5": WHOLE / "step5-1536" / "results.json"}
+# the presets that equal no measured row, measured as rows of their own (PREREGISTRATION.md there)
+PRESETS_RUN = HERE / "smollm2" / "results.json"
 OUTPUT = HERE / "verdicts.json"
 DIGITS = 10
 
@@ -133,6 +135,31 @@ def measurement(name):
     return figures
 
 
+def preset_measurement(preset_id):
+    """The last layer's figures of a preset's own row in studies/peer-kl/smollm2/results.json at
+    each distance measured there, or None (not in the run, or no run)."""
+    if not PRESETS_RUN.is_file():
+        return None
+    run = json.loads(PRESETS_RUN.read_text())
+    figures = {}
+    for distance in run["distances"]:
+        row = distance["views"]["layer"].get("terms", {}).get(f"preset:{preset_id}")
+        if row is None:
+            continue
+        cells = {"cos": row["cos"], "rel_bias": row["rel_bias"]}
+        if "vs_parent_rel" in row:
+            cells.update(vs_toy_verdict=row["vs_parent"], vs_toy_verdict_rel=row["vs_parent_rel"])
+        if "check" in row:
+            cells["check"] = row["check"]
+        text = {key: cell(WHOLE_VERDICTS.dec(v, 0.95) if key == "cos" else
+                          WHOLE_VERDICTS.table_sci(v) if key in ("check", "vs_toy_verdict") else
+                          WHOLE_VERDICTS.dec(v)) for key, v in cells.items()}
+        figures[distance["label"]] = {**cells, "text": text, "groups": distance["groups"],
+                                      "view": "layer", "exact_row": row["exact"],
+                                      "file": str(PRESETS_RUN.relative_to(ROOT))}
+    return figures or None
+
+
 def same_expectation(a, b):
     """Two exact_gradients lists equal, setting by setting, to check_kl.TOL."""
     return all((ga - gb).abs().max().item() < check_kl.TOL for (_, ga, _), (_, gb, _) in zip(a, b))
@@ -167,6 +194,12 @@ def build():
                               "how": f"inherited from {WHOLE_VERDICTS.NAMES[name]}: the same "
                                      "expectation, proven on the toy",
                               **measurement(name)}
+        elif preset_measurement(row["id"]):
+            figures = preset_measurement(row["id"])
+            exact_row = next(iter(figures.values()))["exact_row"]
+            row["smollm2"] = {"row": None, "how": "measured: its own row, the last layer"
+                              + (", its exact per-prefix row" if exact_row else
+                                 ", sampled only") + " (studies/peer-kl/smollm2/)", **figures}
         else:
             row["smollm2"] = None
         row["same_expectation_on_policy"] = [r for r in equal if r != row["id"]]
@@ -325,6 +358,10 @@ def smollm2_cell(row):
     if not measured:
         return "not measured"
     figures = smollm2_figures(row)
+    if measured["row"] is None:  # its own row (studies/peer-kl/smollm2/), the last layer
+        step = measured["step 20"]
+        kind = "exact row" if step["exact_row"] else "sampled"
+        return f"{figures} (own row, last layer, {kind}, {step['groups']} groups)"
     return figures if measured["how"] == "measured" else f"{figures} (as {measured['row']})"
 
 
@@ -375,8 +412,11 @@ def claims(result):
         on, off = row["on_policy"], row["off_policy"]
         text = (f"- **{who}**: \"{claim}\". `{preset_id}`'s exact expected gradient, on-policy: "
                 f"{regime_cell(on)}; off-policy: {regime_cell(off)}")
-        if row["smollm2"]:
+        if row["smollm2"] and row["smollm2"]["row"]:
             text += (f"; on SmolLM2 (step 20, the same expectation as {row['smollm2']['row']}) "
+                     f"cos {smollm2_figures(row).replace('; ', ', relative bias ')}")
+        elif row["smollm2"]:
+            text += (f"; on SmolLM2 (step 20, its own row, last layer) "
                      f"cos {smollm2_figures(row).replace('; ', ', relative bias ')}")
         text += ". Not grad KL"
         if preset_id in VERSUS:  # what the flag changed
@@ -390,9 +430,16 @@ def claims(result):
 def smollm2_list(result):
     """README.md's list: each preset's SmolLM2 measurement, inherited or not measured."""
     lines = []
-    for how in ("inherited", "not measured"):
+    for how in ("inherited", "own row", "not measured"):
         ids = [row["id"] for row in result["rows"] if row["library"] != "this project"
-               and ((row["smollm2"] is None) == (how == "not measured"))]
+               and (how == "not measured") == (row["smollm2"] is None)
+               and (how != "own row" or row["smollm2"]["row"] is None)
+               and (how != "inherited" or row["smollm2"]["row"] is not None)]
+        if how == "own row":
+            if ids:
+                lines.append(f"- measured as rows of their own (last layer, step 20; "
+                             f"[smollm2/](smollm2/)): {', '.join(f'`{i}`' for i in ids)}")
+            continue
         if how == "inherited":
             by_row = {}
             for row in result["rows"]:

@@ -54,6 +54,41 @@ def verdicts(results):
     return dist, out
 
 
+TOY = {"K3-in-loss": "K3-in-loss (p3)", "token-level reverse KL": "token-level reverse KL (p2)",
+       "grad KL": "grad KL", "0": "0", None: "none"}
+
+
+def markdown(results):
+    """docs/peers.md's table of the 12 (added after the registration, before the results were
+    read; the rules above unchanged): per preset its row, its toy verdict, cos and relative bias
+    with grad KL, its distance from the toy verdict's row, and the sampled row's check."""
+    (dist,) = [d for d in results["distances"] if d["label"] == "step 20"]
+    layer = dist["views"]["layer"]
+    lines = ["| preset | row | toy verdict (near settings) | cos with grad KL | rel. bias | "
+             "\|\|E - toy verdict's row\|\| / \|\|grad KL\|\| | sampled - exact |",
+             "|---|---|---|---|---|---|---|"]
+    for name, row in layer["terms"].items():
+        parent = dist_parent(results, name)
+        lines.append(f"| `{name.removeprefix('preset:')}` | {'exact' if row['exact'] else 'sampled'} "
+                     f"| {TOY[parent]} | {fmt(row['cos'])} | {fmt(row['rel_bias'])} | "
+                     f"{fmt(row['vs_parent_rel']) if 'vs_parent_rel' in row else '-'} | "
+                     f"{fmt(row['check']) if 'check' in row else '-'} |")
+    for name in ("k3_loss", "k2_loss"):  # the parents' own rows, for comparison
+        row = layer["rows"][name]
+        lines.append(f"| (this project's {name}) | exact | - | {fmt(row['cos'])} | "
+                     f"{fmt(row['rel_bias'])} | - | {fmt(row['check'])} |")
+    return "\n".join(lines)
+
+
+def dist_parent(results, name):
+    """The toy verdict the run recorded for a term row (its chunks' records, in results.json's
+    flags: recomputed from the preset)."""
+    sys.path.insert(0, str(HERE.parents[2]))
+    from lab import kl_gradients
+    spec = kl_gradients.preset_terms(name.removeprefix("preset:"))[name]
+    return kl_gradients.term_parent(*spec)
+
+
 def main(path=HERE / "results.json"):
     dist, rows = verdicts(json.loads(Path(path).read_text()))
     print(f"{dist['label']}: {dist['groups']} groups, KL {dist['kl'][0]:.3f} nats a sequence (exact), "
@@ -62,6 +97,8 @@ def main(path=HERE / "results.json"):
         print(f"{prediction} {preset:<32} {'hit ' if hit else 'MISS'}  {numbers}")
     hits = sum(hit for *_, hit, _ in rows)
     print(f"{hits} hits, {len(rows) - hits} misses of {len(rows)} registered tests")
+    print()
+    print(markdown(json.loads(Path(path).read_text())))
 
 
 if __name__ == "__main__":

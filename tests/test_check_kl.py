@@ -357,8 +357,11 @@ def test_bad_files_give_one_line(tmp_path, capsys):
     assert "expected FILE.py:FUNCTION" in one_error_line(capsys, [f"{tmp_path}/fine.py",
                                                                   "--place", "loss"])
     assert "--place is required" in one_error_line(capsys, [f"{tmp_path}/fine.py:x"])
-    assert "--model is not yet" in one_error_line(capsys, [f"{tmp_path}/fine.py:x", "--place",
-                                                           "loss", "--model"])
+    # --model's own refusal comes after the exact verdict, before any model is loaded
+    (tmp_path / "term.py").write_text("def k1(logp, ref_logp, old_logp, mask):\n"
+                                      "    return logp - ref_logp\n")
+    assert "--groups 2: at least 4" in one_error_line(capsys, [f"{tmp_path}/term.py:k1", "--place",
+                                                               "loss", "--model", "--groups", "2"])
 
 
 def test_cli_error_in_a_real_process_is_one_line(tmp_path):

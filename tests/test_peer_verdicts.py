@@ -273,7 +273,7 @@ def test_smollm2_is_inherited_by_equal_expectations_only(committed):
             assert measured is None
             continue
         assert measured["row"] is None and measured["how"].startswith("measured: its own row")
-        (distance,) = [d for d in own["distances"] if d["label"] == "step 20"]
+        (distance,) = [d for d in own["distances"] if d["label"] == "step_20"]  # --policy step_20
         row = distance["views"]["layer"]["terms"][f"preset:{preset_id}"]
         assert measured["step 20"]["cos"] == pytest.approx(row["cos"], rel=1e-9)
         assert measured["step 20"]["exact_row"] == (preset_id != "skyrl-k3-loss")

@@ -92,7 +92,7 @@ def main():
              Line2D([], [], ls="", marker="s", mfc="white", mew=1.6, color="#555555", ms=6,
                     label="toy, exact, off-policy (worst of 6)"),
              Line2D([], [], ls="-", marker="D", color="black", ms=5,
-                    label="SmolLM2-135M, whole model, step 20, 95% interval"),
+                    label="SmolLM2-135M, step 20, 95% interval (whole model; own rows: last layer)"),
              Line2D([], [], ls="", marker="D", mfc="white", mew=1.2, color="black", ms=5,
                     label="SmolLM2: E[g] = grad KL, its sample mean checked")]
     verdicts = [Line2D([], [], ls="", marker="o", color=colour, ms=7, label=text)

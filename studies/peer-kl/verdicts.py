@@ -154,9 +154,9 @@ def preset_measurement(preset_id):
         text = {key: cell(WHOLE_VERDICTS.dec(v, 0.95) if key == "cos" else
                           WHOLE_VERDICTS.table_sci(v) if key in ("check", "vs_toy_verdict") else
                           WHOLE_VERDICTS.dec(v)) for key, v in cells.items()}
-        figures[distance["label"]] = {**cells, "text": text, "groups": distance["groups"],
-                                      "view": "layer", "exact_row": row["exact"],
-                                      "file": str(PRESETS_RUN.relative_to(ROOT))}
+        label = distance["label"].replace("_", " ")  # step_20: the --policy folder's name
+        figures[label] = {**cells, "text": text, "groups": distance["groups"], "view": "layer",
+                          "exact_row": row["exact"], "file": str(PRESETS_RUN.relative_to(ROOT))}
     return figures or None
 
 
@@ -447,7 +447,7 @@ def smollm2_list(result):
                     by_row.setdefault(row["smollm2"]["row"], []).append(f"`{row['id']}`")
             lines += [f"- inherited from {name}: {', '.join(found)}"
                       for name, found in by_row.items()]
-        else:
+        elif ids:
             lines.append(f"- not measured ({len(ids)}): {', '.join(f'`{i}`' for i in ids)}")
     return "\n".join(lines)
 

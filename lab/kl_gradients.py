@@ -71,6 +71,7 @@ pi_ref is the base model; pi the same after N steps of no-KL RLOO training on `a
         --figure studies/kl-gradients-whole/figure.png    # issue 36: the whole model
 """
 import argparse
+import functools
 import json
 import math
 import random
@@ -213,7 +214,7 @@ TERMS = {}
 KNOWN_ROWS = {"grad KL": {"g": 1}, "0": {}, "K3-in-loss": {"p3": 1},
               "token-level reverse KL": {"g": 1, "f": -1}, "K3-in-reward": {"g": 1, "p3": -1}}
 # the exact rows' configurations: a preset equal to one of them on the toy inherits its row
-MEASURED = {"grad KL", "0", "K3-in-loss", "K3-in-reward", "token-level reverse KL"}
+MEASURED = set(KNOWN_ROWS)
 
 
 def preset_terms(spec):
@@ -265,6 +266,7 @@ def term_coefficients(logp, ref_logp, mask, group_size, num_tokens=None):
     return result
 
 
+@functools.lru_cache(maxsize=None)  # asked once a group (term_exact_coefficients): checked once
 def elementwise(term):
     """Whether the term is a function of each token's (logp, ref_logp, old_logp) alone, in value
     and gradient (random inputs, on- and off-policy, as (4, 6) and as (24, 1)): then its exact

@@ -144,10 +144,16 @@ group.add_argument("--micro-batch", type=int, default=8,
 group.add_argument("--recompute", default="auto", choices=("auto", *RECOMPUTE),
                    help="what each decoder layer recomputes in the backward pass instead of "
                         "keeping it (systems/recompute.py; the same gradient): full = all but its "
-                        "input (~1 GB less memory at the defaults, no slower on a CPU: "
-                        "docs/benchmarks.md), selective = the elementwise ops, its matmuls' and "
-                        "attention's outputs kept, none = nothing; auto = full, on CUDA "
+                        "input (~1 GB less memory at the defaults; a fifth of the gradient pass's "
+                        "time on an AVX2 CPU: docs/benchmarks.md), selective = the elementwise ops, its matmuls' and "
+                        "attention's outputs kept, none = nothing; auto = on a CPU none where "
+                        "the memory allows (systems/activations.py), else full; on CUDA "
                         "runtime.CUDA_RECOMPUTE (lab/memory_plan.py plans each)")
+group.add_argument("--one-policy-pass", action=argparse.BooleanOptionalAction, default=True,
+                   help="on-policy on one CPU process with --dtype = --logprob-dtype, the "
+                        "policy's log-probs come from the gradient pass itself, its graphs kept "
+                        "for the update where the memory allows (train.policy_logprobs); "
+                        "--no-one-policy-pass: a no-grad pass and a gradient pass, as elsewhere")
 group.add_argument("--grad-checkpointing", dest="recompute", action="store_const", const="full",
                    default=argparse.SUPPRESS, help="= --recompute full (kept for older commands)")
 group.add_argument("--no-grad-checkpointing", dest="recompute", action="store_const",

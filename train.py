@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from tqdm import tqdm
 
 import advantage
@@ -61,7 +62,7 @@ import kl
 import logprobs
 import rollout
 from flags import ADVANTAGES, check_flags, parser  # train.parser, train.check_flags: lab/, tests/
-from systems import checkpoint, optim, report, runtime
+from systems import activations, checkpoint, optim, report, runtime
 from systems.hub import HubUnreachable
 from systems.metrics import importance_weights, step_metrics
 from systems.model import load_model, load_tokenizer, stop_token_ids
@@ -91,6 +92,10 @@ def main(argv=None):
     examples, eval_sets, tokenizer, policy, stop_ids = loaded
     sampler = runtime.make_sampler(policy, device, dtype, args.fsdp)  # rollout.generate, eval
     decoder = runtime.sampler_decoder(device, args.compile_sampler)  # a GPU's, else rollout's own
+    # --recompute auto on a CPU: "none" where the memory allows (systems/activations.py)
+    worst_shape, room = activation_room(args, policy, examples, tokenizer, world_size)
+    args.recompute = runtime.recompute_choice(args.recompute, device, policy.config, worst_shape,
+                                              room)
     runtime.checkpoint_activations(policy, args.recompute)  # --recompute
     policy = runtime.wrap(policy, device, args.fsdp)
     reference = reference_model(args, device)
@@ -148,10 +153,9 @@ def main(argv=None):
 
         # ------------------------------------------------------------ log-probs
         # policy and reference, in --logprob-dtype (fp32: bf16 rounding would put a noise floor
-        # under every KL and ratio)
-        policy_logp, entropy = logprobs.no_grad_logprobs(
-            policy, prompts, tokens, mask, args.temperature, logprob_dtype, args.micro_batch,
-            entropy=True, by_segments=args.by_segments)
+        # under every KL and ratio); the policy's from the gradient pass itself where that is exact
+        policy_logp, entropy, graph_logp = policy_logprobs(args, policy, prompts, tokens, mask,
+                                                           logprob_dtype, room)
         ref_logp = policy_logp if reference is None else logprobs.no_grad_logprobs(
             reference, prompts, tokens, mask, args.temperature, logprob_dtype, args.micro_batch,
             by_segments=args.by_segments)[0]
@@ -169,7 +173,7 @@ def main(argv=None):
         behaviour_logp = out.token_logprobs if args.behaviour == "sampler" else policy_logp
         # RLOO (sec. 4.1): A_i = return_i - mean of the other G - 1 returns of the same prompt
         batch = Batch(prompts, tokens, mask, policy_logp, ref_logp, behaviour_logp,
-                      ADVANTAGES[args.advantage](returns, G))
+                      ADVANTAGES[args.advantage](returns, G), graph_logp)
 
         # ------------------------------------------------------------ loss and step (update)
         losses, grad_norms, skipped = [], [], 0  # losses: sums over all ranks, a row per minibatch
@@ -224,6 +228,9 @@ class Batch:
     ref_logp: torch.Tensor  # (B, T) log pi_ref (policy_logp when there is no reference)
     behaviour_logp: torch.Tensor  # (B, T) log mu, the policy that sampled (--behaviour)
     advantages: torch.Tensor  # (B,) or (B, T)
+    # policy_logp with its graph, a (rows, T) tensor for each micro-batch by its first row, where
+    # the log-probs step kept them for the update (policy_logprobs); else None
+    graph_logp: dict = None
 
 
 def update(args, policy, optimizer, batch, minibatch, first):
@@ -272,6 +279,40 @@ def update(args, policy, optimizer, batch, minibatch, first):
     return optim.optimizer_step(args, policy, optimizer, sums)
 
 
+# ---------------------------------------------------------------- log-probs' and update's bookkeeping
+def policy_logprobs(args, policy, prompts, tokens, mask, logprob_dtype, room):
+    """(log pi_theta (B, T) in --logprob-dtype, no grad; its entropy; the same log-probs with their
+    graphs by micro-batch, or None). On-policy (one minibatch, no lag) with --dtype equal to
+    --logprob-dtype, one process on a CPU (not under DDP or FSDP), the gradient pass computes
+    these very values at these very weights: there the pass runs once, here, and the update
+    takes each micro-batch's graph (--one-policy-pass; where every graph fits the memory
+    budget, systems/activations.py). Elsewhere a no-grad pass, and the update a pass of its own."""
+    if not one_policy_pass(args, policy, prompts, mask, logprob_dtype, room):
+        return (*logprobs.no_grad_logprobs(policy, prompts, tokens, mask, args.temperature,
+                                           logprob_dtype, args.micro_batch, entropy=True,
+                                           by_segments=args.by_segments), None)
+    graphs, entropies, start = {}, [], 0
+    for size in logprobs.micro_batch_sizes(prompts, args.micro_batch):
+        rows = slice(start, start + size)
+        graphs[start], entropy = logprobs.token_logprobs(
+            policy, prompts[rows], tokens[rows], mask[rows], args.temperature, logprob_dtype,
+            entropy=True)
+        entropies.append(entropy)
+        start += size
+    return torch.cat([logp.detach() for logp in graphs.values()]), torch.cat(entropies), graphs
+
+
+def one_policy_pass(args, policy, prompts, mask, logprob_dtype, room):
+    """Whether the log-probs step's policy pass is also the update's (policy_logprobs)."""
+    device = mask.device
+    return (args.one_policy_pass and device.type == "cpu" and args.minibatches == 1
+            and not args.async_lag and not args.by_segments
+            and runtime.pass_dtypes(args, device)[0] == logprob_dtype
+            and runtime.unwrap(policy) is policy and not isinstance(policy, FSDPModule)
+            and activations.keeps_graphs(policy.config, activations.micro_batch_shapes(
+                prompts, mask, args.micro_batch), args.recompute, room))
+
+
 # ---------------------------------------------------------------- update's bookkeeping
 def minibatch_logprobs(args, policy, batch, minibatch, first):
     """The minibatch's log-probs in --logprob-dtype under the current weights: policy_logp until the
@@ -291,6 +332,8 @@ def gradient_logprobs(args, policy, batch, rows, no_grad_logp):
     """log pi(y_t | x, y<t) of the rows with a gradient, in --dtype (bf16 autocast where the device
     has it) and valued at no_grad_logp (--logprob-dtype's pass): logp + sg[no_grad_logp - logp], so
     the losses' values are that pass's; only the gradient's direction carries --dtype's rounding."""
+    if batch.graph_logp:  # the log-probs step's pass, its values no_grad_logp's already
+        return batch.graph_logp.pop(int(rows[0]))
     dtype, logprob_dtype = runtime.pass_dtypes(args, batch.tokens.device)
     logp, _ = logprobs.token_logprobs(policy, [batch.prompts[r] for r in rows], batch.tokens[rows],
                                       batch.mask[rows], args.temperature, dtype,
@@ -329,6 +372,20 @@ def load(args, checkpoint_dir):
     except (OSError, ValueError, HubUnreachable) as caught:
         return str(caught).splitlines()[0] if str(caught) else type(caught).__name__
     return examples, eval_sets, tokenizer, policy, stop_ids
+
+
+def activation_room(args, policy, examples, tokenizer, world_size):
+    """(the largest micro-batch this run can make, the bytes its activations may take on a CPU),
+    systems/activations.py's; the prompts' length: the longest of the first 64 examples."""
+    prompt_tokens = max(len(data.prompt_ids(tokenizer, example)) for example in examples[:64])
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    worst = activations.worst_shape(prompt_tokens, args.group_size, args.micro_batch,
+                                    args.prompts_per_step // world_size * args.group_size,
+                                    args.max_new_tokens)
+    num_params = sum(p.numel() for p in policy.parameters())
+    reference = args.place != "none" and args.beta != 0
+    return worst, activations.budget(num_params, reference, local_ranks,
+                                     world_size if args.fsdp else 1)
 
 
 def reference_model(args, device):

@@ -16,7 +16,10 @@ Per rank, in each phase of a step (GB = 1e9 bytes); the phase's peak is its sum:
   runtime.rows_that_fit picks them from --gpu-gb), the rollout's outputs, and the larger transient
   of a prefill bucket and of a decode step (logits, probabilities and their blocks over the vocab).
 - no-grad passes: the log-prob pass (in --logprob-dtype) of one micro-batch, with the entropy (the
-  policy's pass; the reference's has none).
+  policy's pass; the reference's has none). A CPU run of one process on-policy in fp32 skips the
+  policy's (--one-policy-pass) and keeps the gradient pass's graphs of every micro-batch instead
+  (systems/activations.py's closed form decides where they fit): the plan is that of
+  --no-one-policy-pass, which --measure runs.
 - gradient pass: the gradients (fp32) and one micro-batch's forward and backward in the compute
   dtype, under train.py's --recompute (systems/recompute.py); the phase's peak under each choice
   (full, selective, none) is printed after the table, and on CUDA which of them fit the card.
@@ -71,6 +74,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import logprobs  # noqa: E402
 import rollout  # noqa: E402
+from systems import activations  # noqa: E402
 from systems import cuda_decode  # noqa: E402
 from systems import runtime  # noqa: E402
 from systems import split_matmul  # noqa: E402
@@ -382,7 +386,11 @@ def plan(flags, nproc, gpu_bytes, prompt_tokens, device, every_recompute=False):
     # the plan's card is an 80 GB A100 or H100 (sm80/sm90: auto picks bf16x6 on both)
     logprob_dtype = runtime.logprob_dtype(flags.logprob_dtype, torch.device(device),
                                           capability=(9, 0))
-    recompute = runtime.recompute_choice(flags.recompute, torch.device(device))  # as train.py
+    # as train.py chooses: on a CPU by the closed form of systems/activations.py (this machine's)
+    worst = activations.worst_shape(prompt_tokens, flags.group_size, flags.micro_batch, rows,
+                                    flags.max_new_tokens)
+    room = activations.budget(params, "reference, fp32" in resident, nproc, nproc if fsdp else 1)
+    recompute = runtime.recompute_choice(flags.recompute, torch.device(device), config, worst, room)
     nograd, grad_pass = traced_passes(config, prompts[:micro], flags.max_new_tokens, dtype,
                                       recompute, logprob_dtype, keep_head_gradient=sharded)
     grads = {} if ddp else {"gradients, fp32": 4 * params * shard}
@@ -589,7 +597,8 @@ def measure(nproc, train_argv):
     with tempfile.TemporaryDirectory() as out:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc_per_node={nproc}", "-m", "lab.memory_plan", "--as-worker", out,
-                   *train_argv, "--steps", "2", "--out", str(Path(out) / "run")]
+                   *train_argv, "--steps", "2", "--out", str(Path(out) / "run"),
+                   "--no-one-policy-pass"]  # the plan's passes: the policy's no-grad pass too
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
         done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
         if done.returncode:

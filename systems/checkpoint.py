@@ -61,12 +61,13 @@ import rollout
 from systems.runtime import barrier, fail, stop_if_any_rank, unwrap
 
 # flags that do not change what a run computes (the gradient does not depend on the micro-batch, the
-# sharding or recomputation; the samples do not depend on the sampler's chunks or on compiling, nor
-# the log-probs on attention by sequences, up to float rounding); every other flag must match the
-# checkpoint's for --resume
+# sharding, recomputation or one policy pass; the samples do not depend on the sampler's chunks or
+# on compiling, nor the log-probs on attention by sequences, up to float rounding); every other flag
+# must match the checkpoint's for --resume
 RESUMABLE_CHANGES = {"out", "resume", "steps", "save_every", "eval_every", "eval_tasks",
                      "eval_limit", "micro_batch", "recompute", "fsdp", "max_bad_steps",
-                     "report_to", "generate_rows", "keep_last", "compile_sampler", "by_segments"}
+                     "report_to", "generate_rows", "keep_last", "compile_sampler", "by_segments",
+                     "one_policy_pass"}
 SHARDED = "sharded"  # the DCP folder of an FSDP checkpoint
 LOCK = ".lock"  # OUT/.lock: held by the run writing OUT (its rank 0), naming its host and pid
 _lock = None  # the descriptor of the lock this process holds, if any

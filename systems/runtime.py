@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from systems import cuda_decode, recompute, split_matmul
+from systems import activations, cuda_decode, recompute, split_matmul
 
 try:  # glibc, for return_freed_memory
     _libc = ctypes.CDLL("libc.so.6")
@@ -128,12 +128,10 @@ def describe_run(args, policy, world_size, device, dtype, examples, resume_from)
 def resolve_device_defaults(args, device):
     """Resolve in `args` what waits for a GPU run's verdict (the rules in docs/benchmarks.md): the
     compiled sampler (--compile-sampler unset: COMPILED_SAMPLER_ON), attention by sequences in
-    every pass (BY_SEQUENCES_ON: args.by_segments) and --recompute auto (recompute_choice); the
-    sampler's FlexAttention (FLEX_DECODE_ON) is cuda_decode.attention_choice's. Each is off on
+    every pass (BY_SEQUENCES_ON: args.by_segments); the sampler's FlexAttention (FLEX_DECODE_ON) is cuda_decode.attention_choice's. Each is off on
     every device until a GPU run turns it on."""
     if args.compile_sampler is None:
         args.compile_sampler = device.type in COMPILED_SAMPLER_ON
-    args.recompute = recompute_choice(args.recompute, device)
     args.by_segments = device.type in BY_SEQUENCES_ON
 
 
@@ -313,11 +311,18 @@ def no_dropout(model):
             module.attention_dropout = 0.0
 
 
-def recompute_choice(name, device):
-    """--recompute `name` on `device`: "auto" is CUDA_RECOMPUTE on CUDA, "full" elsewhere."""
-    if name == "auto":
-        return CUDA_RECOMPUTE if device.type == "cuda" else "full"
-    return name
+def recompute_choice(name, device, config=None, worst_shape=None, room=None):
+    """--recompute `name` on `device`: "auto" is CUDA_RECOMPUTE on CUDA; on a CPU "none" where one
+    micro-batch of worst_shape fits `room` bytes without recomputation, else "full"
+    (systems/activations.py, which also says how a CPU run's room is reckoned; "full" without
+    them)."""
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        return CUDA_RECOMPUTE
+    if config is None:
+        return "full"
+    return activations.recompute_on_cpu(config, worst_shape, room)
 
 
 def checkpoint_activations(policy, choice="full"):

@@ -143,27 +143,34 @@ SGD = ("--lr", "0.5", "--max-grad-norm", "1e9")
 
 def train(argv, patches=(), **setattrs):
     """train.main(ARGV) in this process (one thread, like a torchrun worker). Returns what the tests
-    look at inside the run, recorded by wrapping two of train's helpers: the models (policy,
-    sampler, reference) and the last step's no-grad log-prob passes (prompts, tokens, mask,
-    policy_logp, ref_logp; exact_* for the pass of a later minibatch)."""
+    look at inside the run, recorded by wrapping three of train's helpers: the models (policy,
+    sampler, reference), the last step's log-probs step (prompts, tokens, mask, policy_logp,
+    ref_logp; one_pass: whether the policy's came from the gradient pass, train.policy_logprobs)
+    and a later minibatch's own no-grad pass (exact_*)."""
     import logprobs
     from systems import runtime
     import train as trainer
 
     run = {"reference": None}
     make_sampler, no_grad_logprobs = runtime.make_sampler, logprobs.no_grad_logprobs
+    policy_logprobs = trainer.policy_logprobs
 
     def record_sampler(policy, *rest):
         run["policy"], run["sampler"] = policy, make_sampler(policy, *rest)
         return run["sampler"]
 
+    def record_policy_logprobs(args, policy, prompts, tokens, mask, *rest):
+        run["in_step"] = True
+        logp, entropy, graphs = policy_logprobs(args, policy, prompts, tokens, mask, *rest)
+        run.update(prompts=prompts, tokens=tokens, mask=mask, policy_logp=logp, in_step=False,
+                   one_pass=graphs is not None)
+        return logp, entropy, graphs
+
     def record_logprobs(model, prompts, tokens, mask, *rest, **kwargs):
         logp, entropy = no_grad_logprobs(model, prompts, tokens, mask, *rest, **kwargs)
         if model is not run["policy"]:
             run.update(reference=model, ref_logp=logp)
-        elif len(prompts) >= len(run.get("prompts", ())):  # the step's first pass: the whole batch
-            run.update(prompts=prompts, tokens=tokens, mask=mask, policy_logp=logp)
-        else:  # a later minibatch's own pass
+        elif not run.get("in_step"):  # a later minibatch's own pass
             run.update(exact_prompts=prompts, exact_tokens=tokens, exact_mask=mask, exact_logp=logp)
         return logp, entropy
 
@@ -174,6 +181,7 @@ def train(argv, patches=(), **setattrs):
             patch.setenv("HF_HUB_OFFLINE", "1")
             patch.setattr(runtime, "make_sampler", record_sampler)
             patch.setattr(logprobs, "no_grad_logprobs", record_logprobs)
+            patch.setattr(trainer, "policy_logprobs", record_policy_logprobs)
             apply_patches(patches, patch.setattr)
             for target, value in setattrs.items():
                 patch.setattr(target.replace("__", "."), value)
@@ -418,6 +426,45 @@ def test_gradient_checkpointing_changes_nothing(tiny, two_steps, tmp_path, recom
     strip = lambda rows: [{k: v for k, v in row.items() if k not in timing}  # noqa: E731
                           for row in rows]
     assert strip(metrics(tmp_path)) == strip(metrics(two_steps["out"]))
+
+
+@pytest.mark.parametrize("recompute", ["full", "none"])
+def test_one_policy_pass_changes_nothing(tiny, two_steps, tmp_path, recompute):
+    """On-policy in fp32 on one CPU process the policy's log-probs come from the gradient pass (its
+    graphs kept from the log-probs step to the update, train.policy_logprobs): no no-grad pass of
+    the policy runs, and two steps end on the very weights (SGD: lr x the gradient) and metrics
+    of the two passes of before (--no-one-policy-pass), bit for bit, under either recompute. Where
+    the graphs do not fit the memory budget (systems/activations.py; here a budget of 0 bytes),
+    the run takes the two passes again."""
+    import logprobs
+
+    no_grad_logprobs, passes = logprobs.no_grad_logprobs, []
+
+    def recorded(model, *args, **kwargs):
+        passes.append(model)
+        return no_grad_logprobs(model, *args, **kwargs)
+    timing = ("sample_s", "train_s", "tokens_per_s")
+    strip = lambda rows: [{k: v for k, v in row.items() if k not in timing}  # noqa: E731
+                          for row in rows]
+    assert two_steps["run"]["one_pass"]  # the fixture's run: fp32, one process, on-policy
+    runs = {"one": ("--recompute", recompute), "two": ("--recompute", recompute,
+                                                         "--no-one-policy-pass")}
+    for name, extra in runs.items():
+        passes.clear()
+        run = train(flags(tiny, tmp_path / name, "--steps", "2", "--micro-batch", "16", *extra,
+                          *SGD), patches=("sgd", "row_seeded"),
+                    logprobs__no_grad_logprobs=recorded)
+        assert run["one_pass"] == (name == "one")
+        assert sum(model is run["policy"] for model in passes) == (0 if name == "one" else 2)
+        assert_same(weights(tmp_path / name / "final"), two_steps["final"], atol=0)
+        assert strip(metrics(tmp_path / name)) == strip(metrics(two_steps["out"]))
+    # several micro-batches, each its own graph; and a budget too small for them: two passes
+    for name, room in (("micro", None), ("no-room", 0)):
+        setattrs = {} if room is None else {"systems.activations.budget": lambda *a, **k: room}
+        run = train(flags(tiny, tmp_path / name, "--steps", "2", "--micro-batch", "4", *SGD),
+                    patches=("sgd", "row_seeded"), **setattrs)
+        assert run["one_pass"] == (room is None)
+        assert_same(weights(tmp_path / name / "final"), two_steps["final"], atol=1e-5)
 
 
 @pytest.mark.parametrize("on", [(), ("cpu",)], ids=["block-mask", "by-sequences"])

@@ -3,7 +3,8 @@
 The trainer runs this pass three times a step: under the policy and the reference with no gradient
 (no_grad_logprobs: the values that feed kl.py's estimators, the ratio and the reward's shaping; fp32
 by default, docs/precision.md), and under the policy with a gradient (token_logprobs, in
-train.update). Each RLOO group is one packed sequence (pack_layout): its prompt once, then each
+train.update); twice where the gradient pass's values are the no-grad pass's (one CPU process,
+on-policy, fp32: train.policy_logprobs keeps its graphs for the update). Each RLOO group is one packed sequence (pack_layout): its prompt once, then each
 response in its own length, every response attending to the prompt and to its own earlier tokens,
 so a token sees exactly what it would see alone. Micro-batches keep a group whole
 (micro_batch_sizes). systems/segment_attention.py computes the same attention without the pack's
@@ -11,6 +12,7 @@ dense mask.
 """
 import contextlib
 import itertools
+import os
 
 import torch
 from torch.distributed.fsdp import FSDPModule
@@ -50,25 +52,79 @@ def pack_layout(prompts, response_mask):
     return packs, P, L, pack_of_row, kept_column
 
 
-def token_logprobs(model, prompts, responses, response_mask, temperature, dtype, entropy=False,
-                   by_segments=False):
-    """log pi(y_t | x, y<t) of each response token, (B, T) in fp32, and with entropy=True the
-    entropy of pi there (detached; else None: the gradient pass skips its two (B, T, vocab)
-    temporaries). by_segments: attention by sequences, each response with its prompt, causal, no
-    mask (systems/segment_attention.py), the same values to float rounding (~4e-5 on SmolLM2:
-    another order of fp32 sums); a gradient pass by segments under activation checkpointing keeps
-    segment_attention.attention(model) around its backward too (the recomputation runs there).
+def shared_layout(prompts, response_mask):
+    """shared_prefix_pack's plan: (groups: (prompt, its rows) for each run of rows with the same
+    prompt, each row's length up to its last response token, the prompts' common prefix's length,
+    the sequence's length L)."""
+    t = torch.arange(1, response_mask.shape[1] + 1)
+    lengths = torch.where(response_mask.detach().cpu() != 0, t, 0).max(1).values.tolist()
+    groups = []
+    for row, prompt in enumerate(prompts):
+        if not groups or groups[-1][0] != prompt:
+            groups.append((prompt, []))
+        groups[-1][1].append(row)
+    shared = len(os.path.commonprefix([prompt for prompt, _ in groups]))
+    L = shared + sum(len(prompt) - shared + sum(lengths[row] for row in rows)
+                     for prompt, rows in groups)
+    return groups, lengths, shared, L
 
-    Rows with the same prompt (an RLOO group is contiguous) are packed into one sequence
-    (pack_layout): the prompt once, then each of its responses in its own length, every response
-    attending to the prompt and to its own earlier tokens only (a block attention mask, position
-    ids restarting after the prompt). Each token sees exactly what it would see in its own
-    sequence, but the prompt is computed once per group instead of G times, and padding after a
-    response's end is not computed at all. Prompts are left-padded, so the responses start at
-    column P and only the columns from P - 1 on reach the output layer.
-    """
-    runtime.return_freed_memory()  # the last pass's temporaries: only live tensors stay resident
+
+def sharing_pays(config, prompts, response_mask):
+    """Whether shared_prefix_pack's one sequence costs fewer FLOPs than pack_layout's packs: 2 a
+    weight of a decoder layer at each position, and under the dense block mask 4 x hidden size a
+    layer at each (query, key) pair the sequence computes, allowed or not (L^2 a sequence)."""
+    packs, _, L, _, _ = pack_layout(prompts, response_mask)
+    shared_L = shared_layout(prompts, response_mask)[3]
+    d = config.hidden_size
+    per_position = 2 * (4 * d * d + 3 * d * config.intermediate_size)  # ~ a layer's weights
+    cost = lambda positions, pairs: positions * per_position + pairs * 4 * d  # noqa: E731
+    return cost(shared_L, shared_L ** 2) < cost(len(packs) * L, len(packs) * L ** 2)
+
+
+def shared_prefix_pack(prompts, responses, response_mask):
+    """token_logprobs' layout with share_prefix: every row in one sequence, the prompts' longest
+    common prefix once at its start, then each group (a run of rows with the same prompt) in turn:
+    the rest of its prompt, then each of its responses in its own length. The rest attends to the
+    prefix and to itself; a response to the prefix, its group's rest and its own earlier tokens,
+    each at the position it has alone. Returns (input_ids (L,), position_ids (L,), allowed (L, L),
+    keep: the columns whose logits are needed, kept_column (B, T): the index into keep that
+    predicts token t of each row, 0 past its length)."""
+    B, T = response_mask.shape
+    groups, lengths, shared, L = shared_layout(prompts, response_mask)
+    device = responses.device
+    input_ids = torch.zeros(L, dtype=torch.long, device=device)
+    position_ids = torch.zeros_like(input_ids)
+    allowed = torch.zeros(L, L, dtype=torch.bool, device=device)
+
+    def place(start, tokens, first_position, sees):  # tokens at columns start..., causal
+        n = len(tokens)
+        input_ids[start:start + n] = torch.as_tensor(tokens, device=device)
+        position_ids[start:start + n] = torch.arange(first_position, first_position + n)
+        allowed[start:start + n, start:start + n] = torch.ones(n, n, dtype=torch.bool).tril()
+        for first, stop in sees:
+            allowed[start:start + n, first:stop] = True
+        return start + n
+    at = place(0, groups[0][0][:shared], 0, [])
+    keep, kept_column = [], torch.zeros(B, T, dtype=torch.long)
+    for prompt, rows in groups:
+        rest = (at, place(at, prompt[shared:], shared, [(0, shared)]))
+        at = rest[1]
+        last_prompt_column = at - 1 if len(prompt) > shared else shared - 1
+        for row in rows:
+            n, start = lengths[row], at
+            at = place(at, responses[row, :n], len(prompt), [(0, shared), rest])
+            # token 0 from the prompt's last column, token t >= 1 from the column of t - 1
+            kept_column[row, :max(n, 1)] = len(keep) + torch.arange(max(n, 1))
+            keep += [last_prompt_column, *range(start, start + n - 1)]
+    return input_ids, position_ids, allowed, torch.tensor(keep, device=device), kept_column
+
+
+def packed_inputs(model, prompts, responses, response_mask, by_segments):
+    """token_logprobs' inputs in pack_layout's packs, a group each: (input_ids, position_ids,
+    allowed, the logits to keep, pack_of_row, kept_column, by_segments' model keywords and
+    attention context)."""
     packs, P, L, pack_of_row, kept_column = pack_layout(prompts, response_mask)
+    segments, attention = {}, contextlib.nullcontext()
     device = responses.device
     input_ids = torch.zeros(len(packs), L, dtype=torch.long, device=device)
     position_ids = torch.zeros_like(input_ids)
@@ -86,18 +142,49 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
             allowed[j, columns, start:P] = True
             allowed[j, columns, columns] = torch.ones(length, length, dtype=torch.bool,
                                                       device=device).tril()
-    segments, attention = {}, contextlib.nullcontext()
     # by_segments: what `allowed` allows, as each response's own sequence
     # (systems/segment_attention.py)
     if by_segments:
         segments = {"segments": segment_attention.layout(packs, P, L, device)}
         attention = segment_attention.attention(model)
+    return (input_ids, position_ids, allowed, L - P + 1, pack_of_row, kept_column, segments,
+            attention)
+
+
+def token_logprobs(model, prompts, responses, response_mask, temperature, dtype, entropy=False,
+                   by_segments=False, share_prefix=False):
+    """log pi(y_t | x, y<t) of each response token, (B, T) in fp32, and with entropy=True the
+    entropy of pi there (detached; else None: the gradient pass skips its two (B, T, vocab)
+    temporaries). by_segments: attention by sequences, each response with its prompt, causal, no
+    mask (systems/segment_attention.py), the same values to float rounding (~4e-5 on SmolLM2:
+    another order of fp32 sums); a gradient pass by segments under activation checkpointing keeps
+    segment_attention.attention(model) around its backward too (the recomputation runs there).
+
+    Rows with the same prompt (an RLOO group is contiguous) are packed into one sequence
+    (pack_layout): the prompt once, then each of its responses in its own length, every response
+    attending to the prompt and to its own earlier tokens only (a block attention mask, position
+    ids restarting after the prompt). Each token sees exactly what it would see in its own
+    sequence, but the prompt is computed once per group instead of G times, and padding after a
+    response's end is not computed at all. Prompts are left-padded, so the responses start at
+    column P and only the columns from P - 1 on reach the output layer.
+    """
+    runtime.return_freed_memory()  # the last pass's temporaries: only live tensors stay resident
+    segments, attention, device = {}, contextlib.nullcontext(), responses.device
+    # share_prefix: one sequence, the prompts' common prefix once, where that costs fewer FLOPs
+    if share_prefix and sharing_pays(runtime.unwrap(model).config, prompts, response_mask):
+        input_ids, position_ids, allowed, to_keep, kept_column = shared_prefix_pack(
+            prompts, responses, response_mask)
+        input_ids, position_ids, allowed = input_ids[None], position_ids[None], allowed[None]
+        pack_of_row = torch.zeros(len(prompts), dtype=torch.long)
+    else:
+        input_ids, position_ids, allowed, to_keep, pack_of_row, kept_column, segments, attention = (
+            packed_inputs(model, prompts, responses, response_mask, by_segments))
     # no cast cache: each weight is used once per forward, and a cache would hold a bf16 copy of all
     # of them (0.25 GiB) through the pass
     with (torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32,
                          cache_enabled=False), attention):
         logits = model(input_ids=input_ids, attention_mask=allowed.unsqueeze(1),
-                       position_ids=position_ids, use_cache=False, logits_to_keep=L - P + 1,
+                       position_ids=position_ids, use_cache=False, logits_to_keep=to_keep,
                        **segments).logits
     logits = logits[pack_of_row[:, None].to(device), kept_column.to(device)]  # (B, T, vocab)
     logits = logits.float() if temperature == 1 else logits.float() / temperature  # no copy at 1
@@ -130,12 +217,13 @@ def micro_batch_sizes(prompts, micro_batch):
 
 
 def no_grad_logprobs(model, prompts, responses, response_mask, temperature, dtype, micro_batch,
-                     entropy=False, by_segments=False):
+                     entropy=False, by_segments=False, share_prefix=False):
     """token_logprobs (and with entropy=True the entropies, else None) of the whole batch,
     micro-batch by micro-batch (micro_batch_sizes), no gradient. dtype "bf16x6": fp32 whose linear
     layers' matmuls are six bf16 tensor-core products (systems/split_matmul.py), CUDA's default.
     by_segments: token_logprobs'; train.py's on the devices runtime.BY_SEQUENCES_ON names (none
-    yet: its gradient pass was faster with the block mask on an H200), in every pass alike."""
+    yet: its gradient pass was faster with the block mask on an H200), in every pass alike;
+    share_prefix: token_logprobs', train.py's on the devices runtime.SHARED_PREFIX_ON names."""
     parts, start = [], 0
     pieces = contextlib.nullcontext()
     if dtype == "bf16x6":
@@ -144,7 +232,7 @@ def no_grad_logprobs(model, prompts, responses, response_mask, temperature, dtyp
         for size in micro_batch_sizes(prompts, micro_batch):
             rows, start = slice(start, start + size), start + size
             parts.append(token_logprobs(model, prompts[rows], responses[rows], response_mask[rows],
-                                        temperature, dtype, entropy, by_segments))
+                                        temperature, dtype, entropy, by_segments, share_prefix))
     if isinstance(model, FSDPModule):  # FSDP2 keeps a root gathered after a forward until its
         model.reshard()  # backward, which a no-grad pass never runs (4.4 GB a rank at 7B)
     logp, entropies = zip(*parts)

@@ -6,7 +6,8 @@ of Table 1 or `both` or `weighted`; README.md, "Finding a configuration", greps 
   2. reward     each completion's verifiable reward R in [0, 1] (data.score, reward.py)
   3. log-probs  log pi(y_t | x, y<t) of every sampled token under the policy (no grad) and the
                 frozen reference pi_ref, the initial policy (logprobs.py: each group is one
-                packed sequence)
+                packed sequence); on one CPU process on-policy in fp32 the policy's come from the
+                gradient pass itself, its graphs kept for step 7 (policy_logprobs)
   4. shape      return_i = R_i - beta * sum_t sg[KL_t] if --place is reward/both (eq. 7), else R_i
   5. advantage  RLOO: A_i = return_i - mean of the other G - 1 returns of the same prompt
   6. loss       PPO-clip surrogate (eq. 4) + beta * sum_t KL_t when --place is loss or both (eq. 9),
@@ -158,7 +159,7 @@ def main(argv=None):
                                                            logprob_dtype, room)
         ref_logp = policy_logp if reference is None else logprobs.no_grad_logprobs(
             reference, prompts, tokens, mask, args.temperature, logprob_dtype, args.micro_batch,
-            by_segments=args.by_segments)[0]
+            by_segments=args.by_segments, share_prefix=args.share_prefix)[0]
 
         # ------------------------------------------------------------ shape (eq. 7)
         # Table 1: K1-in-reward, K3-in-reward, both (--place reward; both adds the loss's term
@@ -288,15 +289,15 @@ def policy_logprobs(args, policy, prompts, tokens, mask, logprob_dtype, room):
     takes each micro-batch's graph (--one-policy-pass; where every graph fits the memory
     budget, systems/activations.py). Elsewhere a no-grad pass, and the update a pass of its own."""
     if not one_policy_pass(args, policy, prompts, mask, logprob_dtype, room):
-        return (*logprobs.no_grad_logprobs(policy, prompts, tokens, mask, args.temperature,
-                                           logprob_dtype, args.micro_batch, entropy=True,
-                                           by_segments=args.by_segments), None)
+        return (*logprobs.no_grad_logprobs(
+            policy, prompts, tokens, mask, args.temperature, logprob_dtype, args.micro_batch,
+            entropy=True, by_segments=args.by_segments, share_prefix=args.share_prefix), None)
     graphs, entropies, start = {}, [], 0
     for size in logprobs.micro_batch_sizes(prompts, args.micro_batch):
         rows = slice(start, start + size)
         graphs[start], entropy = logprobs.token_logprobs(
             policy, prompts[rows], tokens[rows], mask[rows], args.temperature, logprob_dtype,
-            entropy=True)
+            entropy=True, share_prefix=args.share_prefix)
         entropies.append(entropy)
         start += size
     return torch.cat([logp.detach() for logp in graphs.values()]), torch.cat(entropies), graphs
@@ -310,7 +311,8 @@ def one_policy_pass(args, policy, prompts, mask, logprob_dtype, room):
             and runtime.pass_dtypes(args, device)[0] == logprob_dtype
             and runtime.unwrap(policy) is policy and not isinstance(policy, FSDPModule)
             and activations.keeps_graphs(policy.config, activations.micro_batch_shapes(
-                prompts, mask, args.micro_batch), args.recompute, room))
+                policy.config, prompts, mask, args.micro_batch, args.share_prefix),
+                args.recompute, room))
 
 
 # ---------------------------------------------------------------- update's bookkeeping
@@ -325,7 +327,7 @@ def minibatch_logprobs(args, policy, batch, minibatch, first):
     return logprobs.no_grad_logprobs(
         policy, [batch.prompts[r] for r in minibatch], batch.tokens[minibatch],
         batch.mask[minibatch], args.temperature, logprob_dtype, args.micro_batch,
-        by_segments=args.by_segments)[0]
+        by_segments=args.by_segments, share_prefix=args.share_prefix)[0]
 
 
 def gradient_logprobs(args, policy, batch, rows, no_grad_logp):
@@ -337,7 +339,7 @@ def gradient_logprobs(args, policy, batch, rows, no_grad_logp):
     dtype, logprob_dtype = runtime.pass_dtypes(args, batch.tokens.device)
     logp, _ = logprobs.token_logprobs(policy, [batch.prompts[r] for r in rows], batch.tokens[rows],
                                       batch.mask[rows], args.temperature, dtype,
-                                      by_segments=args.by_segments)
+                                      by_segments=args.by_segments, share_prefix=args.share_prefix)
     if dtype != logprob_dtype:  # no_grad_logp's values, this pass's gradient
         logp = logp + (no_grad_logp - logp).detach()
     return logp

@@ -1,11 +1,12 @@
-"""The default run's step, this checkout against another commit, alternated on one machine (issue 62,
-item 5): each run is `python train.py ARGS --steps N` in a fresh process, the commit's in a git
-worktree of its own (made and removed here), and a pair is one run of each, in turn, A B A B...
+"""The default run's step, one commit against another, alternated on one machine (issue 62, item 5):
+each run is `python train.py ARGS --steps N` in a fresh process, each commit's in a git worktree of
+its own (made and removed here: edits to the checkout during the runs change nothing), and a pair is
+one run of each, in turn, A B A B...
 
 Per run: the step's seconds (sample_s + train_s of metrics.jsonl), the median over the steps after
 the first (which warms up), its parts, and the process's peak resident memory (os.wait4's
-ru_maxrss). Per pair: this checkout's median over the commit's; the summary takes the median of the
-pairs' ratios and their range (the machine's speed drifts between pairs, not within one).
+ru_maxrss). Per pair: --ours' median over --against's; the summary takes the median of the pairs'
+ratios and their range (the machine's speed drifts between pairs, not within one).
 
     python -m lab.bench_step --against 09486f1 --pairs 2 --steps 4 --out bench_step.json
     python -m lab.bench_step --against 09486f1 -- --kl k3 --place loss   # another configuration
@@ -56,39 +57,42 @@ def peak_rss_gb(usage):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--against", required=True, help="the commit to time beside this checkout")
+    parser.add_argument("--against", required=True, help="the commit to time against")
+    parser.add_argument("--ours", default="HEAD", help="the commit timed (its committed files)")
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4, help="steps a run (the first warms up)")
     parser.add_argument("--out", default=None, help="write the figures here as JSON")
     parser.add_argument("train_args", nargs="*", help="train.py's flags after --")
     args = parser.parse_args(argv)
     train_args = args.train_args or ["--kl", "k1", "--place", "reward"]
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                          text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip())
+    commit = lambda name: subprocess.run(  # noqa: E731
+        ["git", "rev-parse", "--short", name], cwd=ROOT, capture_output=True, text=True,
+        check=True).stdout.strip()
     result = {"argv": train_args, "steps": args.steps, "machine": platform.processor(),
-              "cpus": os.cpu_count(), "head": head + ("+changes" if dirty else ""),
-              "against": args.against, "pairs": []}
+              "cpus": os.cpu_count(), "ours": commit(args.ours), "against": commit(args.against),
+              "pairs": []}
     with tempfile.TemporaryDirectory() as tmp:
-        other = Path(tmp) / "against"
-        subprocess.run(["git", "worktree", "add", "--detach", str(other), args.against], cwd=ROOT,
-                       check=True, capture_output=True)
+        trees = {name: Path(tmp) / name for name in ("ours", "against")}
+        for name, tree in trees.items():
+            subprocess.run(["git", "worktree", "add", "--detach", str(tree), result[name]],
+                           cwd=ROOT, check=True, capture_output=True)
         try:
             for pair in range(args.pairs):
-                ours = run_once(ROOT, train_args, args.steps, Path(tmp) / f"ours-{pair}")
-                theirs = run_once(other, train_args, args.steps, Path(tmp) / f"theirs-{pair}")
+                ours = run_once(trees["ours"], train_args, args.steps, Path(tmp) / f"ours-{pair}")
+                theirs = run_once(trees["against"], train_args, args.steps,
+                                  Path(tmp) / f"theirs-{pair}")
                 ratio = ours["median_step_s"] / theirs["median_step_s"]
                 result["pairs"].append({"ours": ours, "against": theirs, "ratio": ratio})
                 print(f"pair {pair + 1}: {ours['median_step_s']:.1f} s against "
                       f"{theirs['median_step_s']:.1f} s a step, ratio {ratio:.3f}", flush=True)
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(other)], cwd=ROOT,
-                           capture_output=True)
+            for tree in trees.values():
+                subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT,
+                               capture_output=True)
     ratios = [pair["ratio"] for pair in result["pairs"]]
     result["ratio_median"], result["ratio_range"] = statistics.median(ratios), [min(ratios),
                                                                                max(ratios)]
-    print(f"this checkout / {args.against}: {result['ratio_median']:.3f} "
+    print(f"{result['ours']} / {result['against']}: {result['ratio_median']:.3f} "
           f"(pairs {min(ratios):.3f}-{max(ratios):.3f})")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

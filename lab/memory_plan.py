@@ -584,6 +584,7 @@ def measure_worker(out, argv):
         return load_model(*args, **kwargs)
     train.load_model = first_load
     train.stop_token_ids = lambda *args, **kwargs: []
+    runtime.SHARED_PREFIX_ON = ()  # the plan's layout: a pack a group (its synthetic prompts')
     rollout.generate = phases.wrap("sampling", rollout.generate)
     logprobs.no_grad_logprobs = phases.wrap("no-grad passes", logprobs.no_grad_logprobs)
     train.update = phases.wrap("gradient pass", train.update)

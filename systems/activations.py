@@ -65,16 +65,19 @@ def kept_per_position(config, recompute):
     return FLOAT * numbers
 
 
-def micro_batch_shapes(prompts, response_mask, micro_batch):
+def micro_batch_shapes(config, prompts, response_mask, micro_batch, share_prefix=False):
     """(positions, rows, T, mask) of each micro-batch the passes make of these rows
-    (micro_batch_sizes): positions as pack_layout packs them (its packs x its longest pack L), the
-    attention mask's packs x L x L entries."""
+    (micro_batch_sizes): positions as token_logprobs lays them out (pack_layout's packs x its
+    longest pack L, or with share_prefix where it pays the one sequence's L), the attention mask's
+    packs x L x L entries."""
     shapes, start = [], 0
     for size in logprobs.micro_batch_sizes(prompts, micro_batch):
         rows = slice(start, start + size)
         packs, _, length, _, _ = logprobs.pack_layout(prompts[rows], response_mask[rows])
-        shapes.append((len(packs) * length, size, response_mask.shape[1],
-                       len(packs) * length ** 2))
+        packs = len(packs)
+        if share_prefix and logprobs.sharing_pays(config, prompts[rows], response_mask[rows]):
+            packs, length = 1, logprobs.shared_layout(prompts[rows], response_mask[rows])[3]
+        shapes.append((packs * length, size, response_mask.shape[1], packs * length ** 2))
         start += size
     return shapes
 
@@ -124,7 +127,8 @@ def keeps_graphs(config, shapes, recompute, room):
 def worst_shape(prompt_tokens, group_size, micro_batch, rows_per_rank, max_new_tokens):
     """The largest micro-batch a run can make (micro_batch_sizes): as many whole groups as
     micro_batch holds (a pack each, its prompt prompt_tokens long), or micro_batch rows of one
-    group larger than it, every response at max_new_tokens: (positions, rows, T, mask)."""
+    group larger than it, every response at max_new_tokens: (positions, rows, T, mask); where
+    the prompts share a prefix (share_prefix) an upper bound."""
     rows = min(micro_batch, rows_per_rank)
     packs, per_pack = (rows // group_size, group_size) if group_size <= rows else (1, rows)
     length = prompt_tokens + per_pack * max_new_tokens

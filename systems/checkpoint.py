@@ -67,7 +67,7 @@ from systems.runtime import barrier, fail, stop_if_any_rank, unwrap
 RESUMABLE_CHANGES = {"out", "resume", "steps", "save_every", "eval_every", "eval_tasks",
                      "eval_limit", "micro_batch", "recompute", "fsdp", "max_bad_steps",
                      "report_to", "generate_rows", "keep_last", "compile_sampler", "by_segments",
-                     "one_policy_pass"}
+                     "one_policy_pass", "share_prefix"}
 SHARDED = "sharded"  # the DCP folder of an FSDP checkpoint
 LOCK = ".lock"  # OUT/.lock: held by the run writing OUT (its rank 0), naming its host and pid
 _lock = None  # the descriptor of the lock this process holds, if any

@@ -111,6 +111,13 @@ CUDA_RECOMPUTE = "full"
 BY_SEQUENCES_ON = ()
 
 
+# where train.py's passes compute the prompts' common prefix once a micro-batch, all its groups in one
+# sequence (logprobs.shared_prefix_pack, where it costs fewer FLOPs than a pack a group): a CPU, where
+# every pass runs at the matmul rate (the default run's prompts share 143 of their ~172 tokens:
+# docs/benchmarks.md); not yet a GPU, whose passes are not timed with it
+SHARED_PREFIX_ON = ("cpu",)
+
+
 def describe_run(args, policy, world_size, device, dtype, examples, resume_from):
     """train.py's first line(s): the model, the ranks and device, the compute dtype, the task, the
     configuration, the resume; on CUDA also what the sampler will attend with, by its rule."""
@@ -128,11 +135,13 @@ def describe_run(args, policy, world_size, device, dtype, examples, resume_from)
 def resolve_device_defaults(args, device):
     """Resolve in `args` what waits for a GPU run's verdict (the rules in docs/benchmarks.md): the
     compiled sampler (--compile-sampler unset: COMPILED_SAMPLER_ON), attention by sequences in
-    every pass (BY_SEQUENCES_ON: args.by_segments); the sampler's FlexAttention (FLEX_DECODE_ON) is cuda_decode.attention_choice's. Each is off on
+    every pass (BY_SEQUENCES_ON: args.by_segments), the prompts' common prefix once in every pass
+    (SHARED_PREFIX_ON: args.share_prefix); the sampler's FlexAttention (FLEX_DECODE_ON) is cuda_decode.attention_choice's. Each is off on
     every device until a GPU run turns it on."""
     if args.compile_sampler is None:
         args.compile_sampler = device.type in COMPILED_SAMPLER_ON
     args.by_segments = device.type in BY_SEQUENCES_ON
+    args.share_prefix = device.type in SHARED_PREFIX_ON and not args.by_segments
 
 
 # --generate-rows auto: the share of the GPU memory free when a rollout starts that its KV cache may

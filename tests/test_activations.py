@@ -30,7 +30,8 @@ def traced_and_estimated(config, prompt_tokens, T, group_size, micro_batch, reco
     from lab import memory_plan
 
     prompts = group_rows(prompt_tokens, group_size, micro_batch)
-    shape, = activations.micro_batch_shapes(prompts, torch.ones(len(prompts), T), micro_batch)
+    shape, = activations.micro_batch_shapes(config, prompts, torch.ones(len(prompts), T),
+                                            micro_batch)
     traced = memory_plan.traced_gradient_pass(config, prompts, T, torch.float32, recompute)
     return traced, activations.pass_peak(config, shape, recompute)
 
@@ -64,7 +65,7 @@ def test_the_closed_form_of_the_default_run():
         traced, estimated = traced_and_estimated(config, 173, 40, 4, 8, recompute)
         assert low * traced <= estimated <= high * traced, (recompute, traced, estimated)
     worst = activations.worst_shape(173, 4, 8, 32, 40)
-    shapes = activations.micro_batch_shapes(group_rows(173, 4, 8), torch.ones(8, 40), 8)
+    shapes = activations.micro_batch_shapes(config, group_rows(173, 4, 8), torch.ones(8, 40), 8)
     assert shapes == [worst] == [(2 * (173 + 4 * 40), 8, 40, 2 * (173 + 4 * 40) ** 2)]
 
 

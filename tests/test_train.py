@@ -492,13 +492,15 @@ def test_attention_by_sequences_in_every_pass_where_runtime_names_the_device(tin
     def counted(*args, **kwargs):
         attended.append(torch.is_grad_enabled())
         return attend(*args, **kwargs)
-    train(flags(tiny, tmp_path, "--steps", "2", "--micro-batch", "16", *SGD),
-          patches=("sgd", "row_seeded"), logprobs__token_logprobs=recorded,
+    train(flags(tiny, tmp_path, "--steps", "2", "--micro-batch", "16", "--recompute", "full",
+                *SGD), patches=("sgd", "row_seeded"), logprobs__token_logprobs=recorded,
           systems__segment_attention__segment_attention=counted,
           systems__runtime__BY_SEQUENCES_ON=on)
     by_segments = bool(on)
-    # each step: the policy's and the reference's no-grad passes, then the gradient pass
-    assert passes == [(False, by_segments), (False, by_segments), (True, by_segments)] * 2
+    # each step: the policy's and the reference's no-grad passes, then the gradient pass; with the
+    # block mask on this CPU the policy's pass is the gradient pass (train.policy_logprobs)
+    assert passes == ([(False, True), (False, True), (True, True)] if by_segments
+                      else [(True, False), (False, False)]) * 2
     # segment attention in each of the 2 layers: twice a step with no gradient, twice with one
     # (the forward, and its replay in the backward)
     assert attended == ([False] * 4 + [True] * 4) * 2 if by_segments else attended == []

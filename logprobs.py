@@ -4,11 +4,14 @@ The trainer runs this pass three times a step: under the policy and the referenc
 (no_grad_logprobs: the values that feed kl.py's estimators, the ratio and the reward's shaping; fp32
 by default, docs/precision.md), and under the policy with a gradient (token_logprobs, in
 train.update); twice where the gradient pass's values are the no-grad pass's (one CPU process,
-on-policy, fp32: train.policy_logprobs keeps its graphs for the update). Each RLOO group is one packed sequence (pack_layout): its prompt once, then each
-response in its own length, every response attending to the prompt and to its own earlier tokens,
-so a token sees exactly what it would see alone. Micro-batches keep a group whole
+on-policy, fp32: train.policy_logprobs keeps its graphs for the update). Each RLOO group is one
+packed sequence (pack_layout): its prompt once, then each response in its own length, every
+response attending to the prompt and to its own earlier tokens, so a token sees exactly what it
+would see alone. Micro-batches keep a group whole
 (micro_batch_sizes). systems/segment_attention.py computes the same attention without the pack's
-dense mask.
+dense mask. On a CPU (runtime.SHARED_PREFIX_ON) the groups of a micro-batch share one sequence,
+their prompts' common prefix (the chat template, the few-shot examples) computed once
+(shared_prefix_pack), where that costs fewer FLOPs (sharing_pays).
 """
 import contextlib
 import itertools
@@ -166,7 +169,9 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
     ids restarting after the prompt). Each token sees exactly what it would see in its own
     sequence, but the prompt is computed once per group instead of G times, and padding after a
     response's end is not computed at all. Prompts are left-padded, so the responses start at
-    column P and only the columns from P - 1 on reach the output layer.
+    column P and only the columns from P - 1 on reach the output layer. share_prefix: all the rows
+    in one sequence, their prompts' common prefix once (shared_prefix_pack), where sharing_pays;
+    only the columns that predict a response token reach the output layer.
     """
     runtime.return_freed_memory()  # the last pass's temporaries: only live tensors stay resident
     segments, attention, device = {}, contextlib.nullcontext(), responses.device

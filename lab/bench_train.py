@@ -213,6 +213,7 @@ def trainer_args(args, dtype):
                                      str(args.group_size), "--micro-batch", str(args.micro_batch)])
     flags.dtype = str(dtype).removeprefix("torch.")
     flags.by_segments = False  # the block mask (train.main resolves it: runtime.BY_SEQUENCES_ON)
+    flags.share_prefix = False  # a pack a group, as on a GPU (runtime.SHARED_PREFIX_ON)
     return flags
 
 

@@ -136,8 +136,8 @@ def resolve_device_defaults(args, device):
     """Resolve in `args` what waits for a GPU run's verdict (the rules in docs/benchmarks.md): the
     compiled sampler (--compile-sampler unset: COMPILED_SAMPLER_ON), attention by sequences in
     every pass (BY_SEQUENCES_ON: args.by_segments), the prompts' common prefix once in every pass
-    (SHARED_PREFIX_ON: args.share_prefix); the sampler's FlexAttention (FLEX_DECODE_ON) is cuda_decode.attention_choice's. Each is off on
-    every device until a GPU run turns it on."""
+    (SHARED_PREFIX_ON: args.share_prefix, a CPU's); the sampler's FlexAttention (FLEX_DECODE_ON) is
+    cuda_decode.attention_choice's. Each is off on a GPU until a GPU run turns it on."""
     if args.compile_sampler is None:
         args.compile_sampler = device.type in COMPILED_SAMPLER_ON
     args.by_segments = device.type in BY_SEQUENCES_ON

@@ -90,3 +90,19 @@ def test_the_rules_choose_by_the_budget(monkeypatch):
     assert activations.budget(1e8, True) == 0.5 * 16e9 - 20e8 - activations.PROCESS_BYTES
     assert activations.budget(1e8, False, ranks_here=2, sharded_over=2) == (
         0.25 * 16e9 - 8e8 - activations.PROCESS_BYTES)
+
+
+def test_one_sequence_where_it_costs_fewer_flops():
+    """logprobs.sharing_pays at SmolLM2's shape: the default run's micro-batch (2 groups of 4,
+    prompts of 172 tokens sharing 143, responses of 40) is cheaper as one sequence (381 + 2 x 160
+    positions against 2 packs of 332); the same groups with 1,024-token responses are not (one
+    sequence's L^2 pairs under the dense mask outgrow the positions it saves)."""
+    import logprobs
+
+    config = AutoConfig.for_model("llama", hidden_size=576, intermediate_size=1536,
+                                  num_hidden_layers=30, num_attention_heads=9,
+                                  num_key_value_heads=3, vocab_size=49152)
+    prompts = [[7] * 143 + [g] * 29 for g in (1, 2) for _ in range(4)]
+    assert logprobs.sharing_pays(config, prompts, torch.ones(8, 40))
+    assert logprobs.shared_layout(prompts, torch.ones(8, 40))[2:] == (143, 143 + 2 * (29 + 160))
+    assert not logprobs.sharing_pays(config, prompts, torch.ones(8, 1024))

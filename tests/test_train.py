@@ -266,10 +266,14 @@ def assert_same(a, b, atol):
 
 
 # ---------------------------------------------------------------- tests
-def test_packed_logprobs_equal_one_forward_per_sequence():
+@pytest.mark.parametrize("prefix, share_prefix", [([], False), ([], True), ([6, 2, 9], True)],
+                         ids=["a-pack-a-group", "one-sequence", "one-sequence-shared-prefix"])
+def test_packed_logprobs_equal_one_forward_per_sequence(prefix, share_prefix):
     """token_logprobs packs each group's rows into one sequence (the prompt once, a block attention
-    mask): its log-probs, entropies and gradient equal Hugging Face's forward pass of every
-    prompt + response on its own."""
+    mask), or with share_prefix all the groups into one (the prompts' common prefix once, then each
+    group's rest and its responses: logprobs.shared_prefix_pack): its log-probs, entropies and
+    gradient equal Hugging Face's forward pass of every prompt + response on its own. The last
+    group's prompt is the common prefix itself (its first token predicted by the prefix's end)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from logprobs import token_logprobs
@@ -279,14 +283,22 @@ def test_packed_logprobs_equal_one_forward_per_sequence():
                                          num_hidden_layers=2, num_attention_heads=4,
                                          num_key_value_heads=2))
     prompt_a, prompt_b, prompt_c = [5, 9, 2, 7, 7, 1], [3, 4], [8, 8, 8, 1]
-    prompts = [prompt_a] * 3 + [prompt_b] + [prompt_c] * 2  # groups of 3, 1 and 2 rows
-    responses = torch.randint(0, 64, (6, 5))
+    prompts = [prefix + prompt_a] * 3 + [prefix + prompt_b] + [prefix + prompt_c] * 2
+    prompts += [prefix or [4]]  # groups of 3, 1, 2 and 1 rows
+    responses = torch.randint(0, 64, (7, 5))
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 1, 0], [1, 0, 0, 0, 0],
-                         [1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], dtype=torch.float32)
+                         [1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.float32)
+    if share_prefix:  # the one sequence is what token_logprobs computes (it pays here)
+        import logprobs
+
+        assert logprobs.sharing_pays(model.config, prompts, mask)
+        # the prefix, then each group's rest and responses: 6 + 11, 2 + 1, 4 + 8, ([4]) + 2
+        assert logprobs.shared_layout(prompts, mask)[2:] == (len(prefix), len(prefix) + 34 + (
+            0 if prefix else 1))
     logp, entropy = token_logprobs(model, prompts, responses, mask, 0.7, torch.float32,
-                                   entropy=True)
+                                   entropy=True, share_prefix=share_prefix)
     grad = torch.autograd.grad(logp.sum(), list(model.parameters()))
-    expected_logp, expected_entropy, expected_grad = torch.zeros(6, 5), torch.zeros(6, 5), 0
+    expected_logp, expected_entropy, expected_grad = torch.zeros(7, 5), torch.zeros(7, 5), 0
     for row, prompt in enumerate(prompts):
         length = int(mask[row].sum())
         ids = torch.tensor([prompt + responses[row, :length].tolist()])

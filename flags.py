@@ -140,12 +140,14 @@ group.add_argument("--logprob-dtype", default="auto",
                         "float32 on every other card and on a CPU (docs/precision.md)")
 group.add_argument("--micro-batch", type=int, default=8,
                    help="sequences per forward/backward (the gradient does not depend on it; 8 "
-                        "keeps the default run under 4 GiB whatever the responses' lengths)")
+                        "keeps the default run under 4 GiB whatever the responses' lengths under "
+                        "--recompute full; auto takes up to half a CPU machine's memory: "
+                        "systems/activations.py)")
 group.add_argument("--recompute", default="auto", choices=("auto", *RECOMPUTE),
                    help="what each decoder layer recomputes in the backward pass instead of "
                         "keeping it (systems/recompute.py; the same gradient): full = all but its "
-                        "input (~1 GB less memory at the defaults; a fifth of the gradient pass's "
-                        "time on an AVX2 CPU: docs/benchmarks.md), selective = the elementwise ops, its matmuls' and "
+                        "input (~1 GB less memory at the defaults; ~30% more gradient-pass time "
+                        "on an AVX2 CPU: docs/benchmarks.md), selective = the elementwise ops, its matmuls' and "
                         "attention's outputs kept, none = nothing; auto = on a CPU none where "
                         "the memory allows (systems/activations.py), else full; on CUDA "
                         "runtime.CUDA_RECOMPUTE (lab/memory_plan.py plans each)")

@@ -1,0 +1,57 @@
+"""docs/benchmarks.md's tables of the default CPU step (issue 62), from this folder's JSON files:
+`python studies/cpu-step/table.py` prints them (markdown)."""
+import json
+import statistics
+from pathlib import Path
+
+HERE = Path(__file__).parent
+PROFILES = {"6f36863 (two policy passes, --recompute full)": "profile_6f36863.json",
+            "857d9d6 (one policy pass, --recompute none)": "profile_857d9d6.json",
+            "0d07eab (and the prompts' common prefix once)": "profile_0d07eab.json"}
+ROWS = [("sampling: prefill", ["sampling: prefill"]),
+        ("sampling: decode forward", ["sampling: decode forward"]),
+        ("sampling: the rest", ["sampling: decode sampling", "sampling: other"]),
+        ("log-probs: the policy's no-grad pass", ["log-probs: policy, no grad"]),
+        ("log-probs: the reference's no-grad pass", ["log-probs: reference, no grad"]),
+        ("the gradient pass's forward", ["update: gradient pass forward"]),
+        ("its backward", ["update: backward"]),
+        ("clip and AdamW", ["update: clip + AdamW"]),
+        ("reward, shape, advantage, the rest", ["reward, shape, advantage, other",
+                                                "update: refresh sampler"]),
+        ("**the step**", ["step"])]
+
+
+def profiles():
+    means = {name: json.loads((HERE / file).read_text())["mean_after_first"]
+             for name, file in PROFILES.items()}
+    print("| phase (s a step, mean of steps 2-4) | " + " | ".join(means) + " |")
+    print("|---" * (len(means) + 1) + "|")
+    for label, keys in ROWS:
+        cells = []
+        for mean in means.values():
+            present = [k for k in keys if k in mean]
+            cells.append(f"{sum(mean[k] for k in present):.2f}" if present else "-")
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+def pairs():
+    result = json.loads((HERE / "bench_step_09486f1.json").read_text())
+    print(f"\n| pair | {result['ours']}: median step (sample + train), s | {result['against']} "
+          "| ratio | peak resident, GB (ours, against) |")
+    print("|---|---|---|---|---|")
+    for i, pair in enumerate(result["pairs"], 1):
+        ours, theirs = pair["ours"], pair["against"]
+        print(f"| {i} | {ours['median_step_s']:.1f} ({ours['median_sample_s']:.1f} + "
+              f"{ours['median_train_s']:.1f}) | {theirs['median_step_s']:.1f} "
+              f"({theirs['median_sample_s']:.1f} + {theirs['median_train_s']:.1f}) | "
+              f"{pair['ratio']:.3f} | {ours['peak_rss_gb']:.2f}, {theirs['peak_rss_gb']:.2f} |")
+    ratios = [pair["ratio"] for pair in result["pairs"]]
+    trains = [p["ours"]["median_train_s"] / p["against"]["median_train_s"] for p in result["pairs"]]
+    print(f"\nthe step: median of the pairs' ratios {statistics.median(ratios):.3f} "
+          f"(pairs {min(ratios):.3f}-{max(ratios):.3f}); the training part alone "
+          f"{statistics.median(trains):.3f} ({min(trains):.3f}-{max(trains):.3f})")
+
+
+if __name__ == "__main__":
+    profiles()
+    pairs()

@@ -1,9 +1,9 @@
 """What a CPU run's gradient pass keeps for its backward, in bytes, by a closed form, and the two
 choices made by it (issue 62; machinery, not the paper's: the gradient is the same either way):
 
-- `recompute_on_cpu`: --recompute auto on a CPU is "none" (no layer's forward again in the backward:
-  a quarter of the gradient pass's time on this project's CPUs) where one micro-batch's pass without
-  recomputation fits the budget, "full" otherwise.
+- `recompute_on_cpu`: --recompute auto on a CPU is "none" (no layer's forward again in the backward,
+  about a quarter of the gradient pass's time on an AVX2 CPU: docs/benchmarks.md) where one
+  micro-batch's pass without recomputation fits the budget, "full" otherwise.
 - `keeps_graphs`: train.py's one policy pass a step (train.policy_logprobs): the log-probs step keeps
   each micro-batch's graph for the update, so that the no-grad policy pass is not run at all, where
   every micro-batch's graph fits the budget at once; otherwise the two passes of before.
@@ -13,13 +13,14 @@ limit where lower), shared among the ranks on it; what the weights, gradients, A
 the reference take (PROCESS_BYTES more for Python, torch and transformers) comes off first.
 
 The closed form counts what autograd keeps of a Llama-family decoder layer (Llama, Qwen2, Qwen3) in
-fp32, a packed position (logprobs.pack_layout) at a time: the two RMSNorms' inputs and outputs, q, k,
-v before and after the rotary embedding, the key/value heads repeated for attention, attention's
-output and o_proj's input, the MLP's gate, up, SiLU(gate) and their product: 10 d + 4 d_kv + 4 i
-numbers (d hidden, d_kv the key/value width, i the MLP's width); under --recompute full a layer keeps
-its input only (d). The output layer's log-softmax over the vocabulary, rows x T x V, is kept either
-way, and its backward makes two more of its size. tests/test_activations.py holds the form against
-lab/memory_plan.py's trace of the same pass (FakeTensorMode, every op's storages).
+fp32 at each packed position (logprobs.pack_layout, or shared_prefix_pack's one sequence): 7.5 d +
+4.125 d_q + 4.375 i numbers (d hidden, d_q the query heads' width, i the MLP's: the RMSNorms' inputs
+and outputs, attention's inputs and output, the MLP's gate, up, SiLU(gate) and their product), with
+Qwen3's q and k norms 2 (d_q + d_kv) more, and attention's mask as an fp32 L x L a layer. The
+coefficients are fitted to lab/memory_plan.py's trace of the pass (FakeTensorMode, every op's
+storages), one width changed at a time; under --recompute full a layer keeps its input only (d).
+The output layer's log-softmax over the vocabulary, rows x T x V, is kept either way, and its
+backward makes two more of its size. tests/test_activations.py holds the form against the trace.
 """
 import os
 

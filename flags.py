@@ -147,8 +147,9 @@ group.add_argument("--recompute", default="auto", choices=("auto", *RECOMPUTE),
                    help="what each decoder layer recomputes in the backward pass instead of "
                         "keeping it (systems/recompute.py; the same gradient): full = all but its "
                         "input (~1 GB less memory at the defaults; ~30% more gradient-pass time "
-                        "on an AVX2 CPU: docs/benchmarks.md), selective = the elementwise ops, its matmuls' and "
-                        "attention's outputs kept, none = nothing; auto = on a CPU none where "
+                        "on an AVX2 CPU: docs/benchmarks.md), selective = the elementwise ops, "
+                        "its matmuls' and attention's outputs kept, none = nothing; auto = on a "
+                        "CPU none where "
                         "the memory allows (systems/activations.py), else full; on CUDA "
                         "runtime.CUDA_RECOMPUTE (lab/memory_plan.py plans each)")
 group.add_argument("--one-policy-pass", action=argparse.BooleanOptionalAction, default=True,

@@ -25,6 +25,12 @@ from systems import segment_attention
 from systems import split_matmul
 
 
+def response_lengths(response_mask):
+    """Each row's length, up to its last response token (a list)."""
+    t = torch.arange(1, response_mask.shape[1] + 1)
+    return torch.where(response_mask.detach().cpu() != 0, t, 0).max(1).values.tolist()
+
+
 def pack_layout(prompts, response_mask):
     """How token_logprobs packs the rows: (packs, P, L, pack_of_row, kept_column). Runs of rows with
     the same prompt (an RLOO group is contiguous) share a pack, a list of (row, offset, length):
@@ -34,9 +40,7 @@ def pack_layout(prompts, response_mask):
     response's token 0); kept_column (B, T) is the kept index that predicts token t of each row
     (0 past its length, where the mask is 0)."""
     B, T = response_mask.shape
-    t = torch.arange(1, T + 1)
-    # each row's length: up to its last response token
-    lengths = torch.where(response_mask.detach().cpu() != 0, t, 0).max(1).values.tolist()
+    lengths = response_lengths(response_mask)
     packs = []  # (prompt, [(row, offset, length), ...])
     for row, prompt in enumerate(prompts):
         if not packs or packs[-1][0] != prompt:
@@ -59,8 +63,7 @@ def shared_layout(prompts, response_mask):
     """shared_prefix_pack's plan: (groups: (prompt, its rows) for each run of rows with the same
     prompt, each row's length up to its last response token, the prompts' common prefix's length,
     the sequence's length L)."""
-    t = torch.arange(1, response_mask.shape[1] + 1)
-    lengths = torch.where(response_mask.detach().cpu() != 0, t, 0).max(1).values.tolist()
+    lengths = response_lengths(response_mask)
     groups = []
     for row, prompt in enumerate(prompts):
         if not groups or groups[-1][0] != prompt:

@@ -280,7 +280,7 @@ def update(args, policy, optimizer, batch, minibatch, first):
     return optim.optimizer_step(args, policy, optimizer, sums)
 
 
-# ---------------------------------------------------------------- log-probs' and update's bookkeeping
+# ---------------------------------------------------------------- log-probs' bookkeeping
 def policy_logprobs(args, policy, prompts, tokens, mask, logprob_dtype, room):
     """(log pi_theta (B, T) in --logprob-dtype, no grad; its entropy; the same log-probs with their
     graphs by micro-batch, or None). On-policy (one minibatch, no lag) with --dtype equal to

@@ -4,9 +4,9 @@ choices made by it (issue 62; machinery, not the paper's: the gradient is the sa
 - `recompute_on_cpu`: --recompute auto on a CPU is "none" (no layer's forward again in the backward,
   about a quarter of the gradient pass's time on an AVX2 CPU: docs/benchmarks.md) where one
   micro-batch's pass without recomputation fits the budget, "full" otherwise.
-- `keeps_graphs`: train.py's one policy pass a step (train.policy_logprobs): the log-probs step keeps
-  each micro-batch's graph for the update, so that the no-grad policy pass is not run at all, where
-  every micro-batch's graph fits the budget at once; otherwise the two passes of before.
+- `keeps_graphs`: train.py's one policy pass a step (train.policy_logprobs): the log-probs step
+  keeps each micro-batch's graph for the update, so that the no-grad policy pass is not run at all,
+  where every micro-batch's graph fits the budget at once; otherwise the two passes of before.
 
 The budget: a run on a CPU may take RUN_SHARE of the machine's memory (physical, or the container's
 limit where lower), shared among the ranks on it; what the weights, gradients, AdamW's moments and
@@ -113,8 +113,8 @@ def pass_peak(config, shape, recompute):
 
 
 def recompute_on_cpu(config, worst_shape, room):
-    """--recompute auto on a CPU: "none" where one micro-batch of worst_shape
-    fits `room` bytes (budget) without recomputation, else "full"."""
+    """--recompute auto on a CPU: "none" where one micro-batch of worst_shape fits `room` bytes
+    (budget) without recomputation, else "full"."""
     return "none" if pass_peak(config, worst_shape, "none") <= room else "full"
 
 

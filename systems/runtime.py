@@ -111,10 +111,10 @@ CUDA_RECOMPUTE = "full"
 BY_SEQUENCES_ON = ()
 
 
-# where train.py's passes compute the prompts' common prefix once a micro-batch, all its groups in one
-# sequence (logprobs.shared_prefix_pack, where it costs fewer FLOPs than a pack a group): a CPU, where
-# every pass runs at the matmul rate (the default run's prompts share 143 of their ~172 tokens:
-# docs/benchmarks.md); not yet a GPU, whose passes are not timed with it
+# where train.py's passes compute the prompts' common prefix once a micro-batch, all its groups in
+# one sequence (logprobs.shared_prefix_pack, where it costs fewer FLOPs than a pack a group): a
+# CPU, where every pass runs at the matmul rate (the default run's prompts share 143 of their ~172
+# tokens: docs/benchmarks.md); not yet a GPU, whose passes are not timed with it
 SHARED_PREFIX_ON = ("cpu",)
 
 

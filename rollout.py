@@ -146,25 +146,48 @@ def decoder_layer(layer, x, k_cache, v_cache, positions, bias, cos, sin):
 def prefill(model, prompts, cache, forward_fn=forward):
     """Run the prompts (one per cache row, longest first) through `forward_fn`; return next-token
     logits (rows, V).
-    Each of PREFILL_BUCKETS buckets of rows is right-padded to its own longest prompt. Padding
-    sits after each prompt, so causal attention keeps it out of every real token's view; its K/V
-    slots are overwritten by decode, which writes at seqlens = the true prompt length."""
+    The prompts' common prefix (the chat template and few-shot examples: 143 of the default run's
+    ~172 tokens) runs once, in row 0, and its K/V is copied to every row; then each of
+    PREFILL_BUCKETS buckets of rows runs the rest of its prompts after it, right-padded to its
+    own longest. Padding sits after each prompt, so causal attention keeps it out of every real
+    token's view; its K/V slots are overwritten by decode, which writes at seqlens = the true
+    prompt length."""
     device, size = cache.seqlens.device, -(-len(prompts) // PREFILL_BUCKETS)
+    shared = common_prefix_length(prompts)
+    if shared:
+        first = KVCache(cache.k[:, :1], cache.v[:, :1], cache.seqlens[:1])
+        forward_fn(model, torch.tensor([prompts[0][:shared]], device=device), first, span=shared)
+        for kv in (cache.k, cache.v):
+            kv[:, 1:len(prompts), :shared] = kv[:, :1, :shared]
+        cache.seqlens[:len(prompts)] = shared
     logits = []
     for start in range(0, len(prompts), size):
         bucket = prompts[start:start + size]
         rows = slice(start, start + len(bucket))
         lengths = torch.tensor([len(p) for p in bucket], device=device)
-        input_ids = torch.zeros(len(bucket), int(lengths.max()), dtype=torch.long, device=device)
+        input_ids = torch.zeros(len(bucket), int(lengths.max()) - shared, dtype=torch.long,
+                                device=device)
         for row, prompt in enumerate(bucket):
-            input_ids[row, : len(prompt)] = torch.tensor(prompt, device=device)
+            input_ids[row, : len(prompt) - shared] = torch.tensor(prompt[shared:], device=device)
         # the bucket's rows as a cache of their own: views, so forward writes into `cache`
         rows_cache = KVCache(cache.k[:, rows], cache.v[:, rows], cache.seqlens[rows])
-        hidden = forward_fn(model, input_ids, rows_cache, span=input_ids.shape[1])
+        hidden = forward_fn(model, input_ids, rows_cache, span=int(lengths.max()))
         cache.seqlens[rows] = lengths.int()
-        last = hidden[torch.arange(len(bucket), device=device), lengths - 1]  # the last token's
+        # the last token's
+        last = hidden[torch.arange(len(bucket), device=device), lengths - shared - 1]
         logits.append(model.lm_head(last).float())
     return torch.cat(logits)
+
+
+def common_prefix_length(prompts):
+    """The tokens every prompt starts with, short of each one's last (whose logits the row needs);
+    0 for a single prompt, which has nothing to share."""
+    if len(prompts) < 2:
+        return 0
+    shared = min(len(p) for p in prompts) - 1
+    for prompt in prompts[1:]:
+        shared = next((i for i in range(shared) if prompt[i] != prompts[0][i]), shared)
+    return shared
 
 
 def decode(model, tokens, cache, span, forward_fn=forward):

@@ -207,6 +207,42 @@ def test_length_buckets_with_many_prompts(model):
                                    atol=1e-4, rtol=0)
 
 
+def test_common_prefix_runs_once_and_samples_as_hugging_face(model):
+    """Prompts that share a 14-token prefix (as the chat template and few-shot examples make them),
+    in more than PREFILL_BUCKETS distinct lengths, one of them the prefix and one token, one
+    repeated: the prefix goes through the model once (forward's input tokens counted: the prefix,
+    then each bucket's rests), and every row's greedy tokens are Hugging Face's, its sampled
+    log-probs those of the model's own forward on the whole prompt."""
+    generator = torch.Generator().manual_seed(3)
+    prefix = torch.randint(5, VOCAB, (14,), generator=generator).tolist()
+    rests = [torch.randint(5, VOCAB, (n,), generator=generator).tolist() for n in (3, 1, 6, 2, 9)]
+    prompts = [prefix + rest for rest in rests] + [prefix + rests[2]]
+    assert rollout.common_prefix_length(prompts) == 14
+    assert rollout.common_prefix_length(prompts[:1]) == 0  # one prompt: nothing to share
+
+    fed = []
+    def counting_forward(model, input_ids, cache, span):
+        fed.append(input_ids.shape)
+        return rollout.forward(model, input_ids, cache, span)
+    distinct = sorted(dict.fromkeys(map(tuple, prompts)), key=len, reverse=True)
+    cache = KVCache(*(torch.zeros(rollout.cache_shape(model, len(distinct), 32)) for _ in "kv"),
+                    seqlens=torch.zeros(len(distinct), dtype=torch.int32))
+    rollout.prefill(model, [list(p) for p in distinct], cache, counting_forward)
+    assert fed[0] == (1, 14)  # the prefix, once
+    assert all(width <= 9 for _, width in fed[1:])  # then the rests only
+
+    greedy = generate(model, prompts, max_new_tokens=10, temperature=0)
+    for row, prompt in enumerate(prompts):
+        assert greedy.response_ids[row] == hf_greedy(model, prompt, 10)
+    sampled = generate(model, prompts, max_new_tokens=10, temperature=1.0,
+                       generator=torch.Generator().manual_seed(1))
+    for row, prompt in enumerate(prompts):
+        logp, response = reference_logprobs(model, prompt, sampled.response_ids[row])
+        expected = logp.gather(-1, response[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(sampled.response_logprobs[row]), expected,
+                                   atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
 def test_logprobs_match_full_forward(model, temperature):
     out = generate(model, PROMPTS, max_new_tokens=12, temperature=temperature,

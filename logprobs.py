@@ -176,7 +176,6 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
     in one sequence, their prompts' common prefix once (shared_prefix_pack), where sharing_pays;
     only the columns that predict a response token reach the output layer.
     """
-    runtime.return_freed_memory()  # the last pass's temporaries: only live tensors stay resident
     segments, attention, device = {}, contextlib.nullcontext(), responses.device
     # share_prefix: one sequence, the prompts' common prefix once, where that costs fewer FLOPs
     if share_prefix and sharing_pays(runtime.unwrap(model).config, prompts, response_mask):

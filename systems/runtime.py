@@ -18,7 +18,7 @@
 - `wrap` / `unwrap`: the policy under DDP or FSDP2 (`shard`), and the plain model inside it;
   `no_dropout` for the train mode that activation checkpointing needs; `checkpoint_activations`
   applies --recompute (systems/recompute.py).
-- `return_freed_memory()`: gives freed memory back to the operating system between passes (glibc).
+- `return_freed_memory()`: gives freed memory back to the operating system once a step (glibc).
 """
 import copy
 import ctypes
@@ -241,10 +241,10 @@ def finish():
 
 def return_freed_memory():
     """Give the pages of freed memory back to the operating system (glibc's malloc_trim; a no-op
-    elsewhere). glibc keeps freed blocks under 32 MB in its heap, and the trainer's temporaries of
-    one pass, freed between long-lived tensors, would stay resident as holes: ~1.3 GB of the default
-    run's peak (docs/benchmarks.md). Called before each pass, so only live tensors count; it takes
-    about a millisecond."""
+    elsewhere). glibc keeps freed blocks under 32 MB in its heap, and a step's temporaries, freed
+    between long-lived tensors, would stay resident as holes. Called once a step, before sampling:
+    before each pass it made the next pass fault its pages in again (the gradient pass's forward
+    ~0.5 s slower a micro-batch on a 2-core AVX2 CPU, the peak no lower: docs/benchmarks.md)."""
     if _libc is not None:
         _libc.malloc_trim(0)
 

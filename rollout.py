@@ -21,6 +21,7 @@ runs this loop: a GPU's machinery (systems/cuda_decode.py) wraps its forward and
 as generate's `decoder`; this file imports nothing from systems/.
 """
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -184,10 +185,7 @@ def common_prefix_length(prompts):
     0 for a single prompt, which has nothing to share."""
     if len(prompts) < 2:
         return 0
-    shared = min(len(p) for p in prompts) - 1
-    for prompt in prompts[1:]:
-        shared = next((i for i in range(shared) if prompt[i] != prompts[0][i]), shared)
-    return shared
+    return min(len(os.path.commonprefix(prompts)), min(map(len, prompts)) - 1)
 
 
 def decode(model, tokens, cache, span, forward_fn=forward):

@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lab.bench_step import peak_rss_gb
+
 ROOT = Path(__file__).resolve().parents[1]
 JOB = dict(prompts_per_step=8, group_size=4, max_new_tokens=40, beta=0.05, lr=1e-5, clip_eps=0.2,
            max_grad_norm=1.0, seed=0)
@@ -43,7 +45,7 @@ def run(command, log):
     code = os.waitstatus_to_exitcode(status)
     if code:
         sys.exit(f"bench_trl: {command[1:3]} failed: {Path(log).read_text().strip()[-600:]}")
-    return usage.ru_maxrss * 1024 / 1e9  # KiB on Linux
+    return peak_rss_gb(usage)
 
 
 def summary(step_s, peak_gb):
@@ -88,12 +90,12 @@ def worker(steps, out):
     examples = data.load_task("arith", split="train", seed=JOB["seed"])
     # our stream's prompts, in its order (train.py: prompt_batch from position 0, one rank)
     problems = data.prompt_batch(examples, 0, JOB["prompts_per_step"] * steps, JOB["seed"])
-    answers = {example["messages"][-1]["content"]: example for example in problems}
+    example_of = {example["messages"][-1]["content"]: example for example in problems}
     dataset = datasets.Dataset.from_list([{"prompt": example["messages"]}
                                           for example in problems])
 
     def reward(prompts, completions, **_):
-        return [data.score(answers[prompt[-1]["content"]], completion[0]["content"])
+        return [data.score(example_of[prompt[-1]["content"]], completion[0]["content"])
                 for prompt, completion in zip(prompts, completions)]
 
     class StepTimes(TrainerCallback):

@@ -146,6 +146,16 @@ def reference_logprobs(model, prompt, response, temperature=1.0):
     return torch.log_softmax(logits / temperature, -1), torch.tensor(response)
 
 
+def assert_logprobs_are_the_models(model, prompts, out, temperature=1.0):
+    """Each row's sampled log-probs are the log-softmax of the model's own forward pass on its
+    prompt and response (fp32, 1e-4)."""
+    for row, prompt in enumerate(prompts):
+        logp, response = reference_logprobs(model, prompt, out.response_ids[row], temperature)
+        expected = logp.gather(-1, response[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(out.response_logprobs[row]), expected,
+                                   atol=1e-4, rtol=0)
+
+
 def nucleus_logprobs(logp, top_p):
     """Independent top-p reference: keep the most likely tokens until their mass reaches top_p."""
     out = torch.full_like(logp, -float("inf"))
@@ -200,11 +210,7 @@ def test_length_buckets_with_many_prompts(model):
                        generator=torch.Generator().manual_seed(1))
     assert len(set(map(len, sampled.response_ids))) > 2, (
         "the test needs rows that stop at different steps")
-    for row, prompt in enumerate(prompts):
-        logp, response = reference_logprobs(model, prompt, sampled.response_ids[row])
-        expected = logp.gather(-1, response[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(sampled.response_logprobs[row]), expected,
-                                   atol=1e-4, rtol=0)
+    assert_logprobs_are_the_models(model, prompts, sampled)
 
 
 def test_common_prefix_runs_once_and_samples_as_hugging_face(model):
@@ -236,22 +242,14 @@ def test_common_prefix_runs_once_and_samples_as_hugging_face(model):
         assert greedy.response_ids[row] == hf_greedy(model, prompt, 10)
     sampled = generate(model, prompts, max_new_tokens=10, temperature=1.0,
                        generator=torch.Generator().manual_seed(1))
-    for row, prompt in enumerate(prompts):
-        logp, response = reference_logprobs(model, prompt, sampled.response_ids[row])
-        expected = logp.gather(-1, response[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(sampled.response_logprobs[row]), expected,
-                                   atol=1e-4, rtol=0)
+    assert_logprobs_are_the_models(model, prompts, sampled)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
 def test_logprobs_match_full_forward(model, temperature):
     out = generate(model, PROMPTS, max_new_tokens=12, temperature=temperature,
                    generator=torch.Generator().manual_seed(0))
-    for row, prompt in enumerate(PROMPTS):
-        logp, response = reference_logprobs(model, prompt, out.response_ids[row], temperature)
-        expected = logp.gather(-1, response[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(out.response_logprobs[row]), expected,
-                                   atol=1e-4, rtol=0)
+    assert_logprobs_are_the_models(model, PROMPTS, out, temperature)
 
 
 @pytest.mark.parametrize("top_p", [0.3, 0.8])
@@ -573,11 +571,7 @@ def test_smollm2_greedy_and_logprobs(smollm2):
         assert out.response_ids[row] == hf_greedy(model, prompt, 24, eos_token_id=eos)
     out = generate(model, prompts, max_new_tokens=16, temperature=1.0, eos_token_id=eos,
                    generator=torch.Generator().manual_seed(0))
-    for row, prompt in enumerate(prompts):
-        logp, response = reference_logprobs(model, prompt, out.response_ids[row])
-        expected = logp.gather(-1, response[:, None])[:, 0]
-        torch.testing.assert_close(torch.tensor(out.response_logprobs[row]), expected,
-                                   atol=1e-4, rtol=0)
+    assert_logprobs_are_the_models(model, prompts, out)
 
 
 def test_smollm2_bf16_runs(smollm2):

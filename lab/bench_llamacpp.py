@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 ROWS, NEW_TOKENS = 32, 40  # the default run: 8 prompts x 4 samples, --max-new-tokens 40
 ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")  # recorded
 
@@ -66,8 +65,9 @@ def default_prompt_length():
 
 def llamacpp_run(bin_dir, gguf, prompt_len, threads):
     """(prefill seconds, decode tokens/s) of one llama-batched-bench run."""
-    command = [str(Path(bin_dir) / "llama-batched-bench"), "-m", str(gguf), "-c",
-               str(prompt_len + ROWS * NEW_TOKENS + 64), "-b", "2048", "-ub", "512", "-npp",
+    context = ROWS * (prompt_len + NEW_TOKENS)  # -pps still keeps each sequence's prompt K/V
+    command = [str(Path(bin_dir) / "llama-batched-bench"), "-m", str(gguf), "-c", str(context),
+               "-b", "2048", "-ub", "512", "-npp",
                str(prompt_len), "-ntg", str(NEW_TOKENS), "-npl", str(ROWS), "-pps", "-t",
                str(threads)]
     printed = subprocess.run(command, check=True, capture_output=True, text=True).stdout

@@ -23,30 +23,41 @@ ROWS = [("sampling: prefill", ["sampling: prefill"]),
         ("**the step**", ["step"])]
 
 
+def markdown(header, rows):
+    """Print a markdown table: its header's cells, a separator, each row's cells."""
+    print("| " + " | ".join(header) + " |")
+    print("|---" * len(header) + "|")
+    for cells in rows:
+        print("| " + " | ".join(cells) + " |")
+
+
 def profiles():
     means = {name: json.loads((HERE / file).read_text())["mean_after_first"]
              for name, file in PROFILES.items()}
-    print("| phase (s a step, mean of steps 2-4) | " + " | ".join(means) + " |")
-    print("|---" * (len(means) + 1) + "|")
+    rows = []
     for label, keys in ROWS:
         cells = []
         for mean in means.values():
             present = [k for k in keys if k in mean]
             cells.append(f"{sum(mean[k] for k in present):.2f}" if present else "-")
-        print(f"| {label} | " + " | ".join(cells) + " |")
+        rows.append([label, *cells])
+    markdown(["phase (s a step, mean of steps 2-4)", *means], rows)
+
+
+def step_parts(run):
+    return (f"{run['median_step_s']:.1f} ({run['median_sample_s']:.1f} + "
+            f"{run['median_train_s']:.1f})")
 
 
 def pairs(file):
     result = json.loads((HERE / file).read_text())
-    print(f"\n| pair | {result['ours']}: median step (sample + train), s | {result['against']} "
-          "| ratio | peak resident, GB (ours, against) |")
-    print("|---|---|---|---|---|")
-    for i, pair in enumerate(result["pairs"], 1):
-        ours, theirs = pair["ours"], pair["against"]
-        print(f"| {i} | {ours['median_step_s']:.1f} ({ours['median_sample_s']:.1f} + "
-              f"{ours['median_train_s']:.1f}) | {theirs['median_step_s']:.1f} "
-              f"({theirs['median_sample_s']:.1f} + {theirs['median_train_s']:.1f}) | "
-              f"{pair['ratio']:.3f} | {ours['peak_rss_gb']:.2f}, {theirs['peak_rss_gb']:.2f} |")
+    print()
+    markdown(["pair", f"{result['ours']}: median step (sample + train), s", result["against"],
+              "ratio", "peak resident, GB (ours, against)"],
+             [[str(i), step_parts(pair["ours"]), step_parts(pair["against"]),
+               f"{pair['ratio']:.3f}",
+               f"{pair['ours']['peak_rss_gb']:.2f}, {pair['against']['peak_rss_gb']:.2f}"]
+              for i, pair in enumerate(result["pairs"], 1)])
     ratios = [pair["ratio"] for pair in result["pairs"]]
     trains = [p["ours"]["median_train_s"] / p["against"]["median_train_s"] for p in result["pairs"]]
     print(f"\nthe step: median of the pairs' ratios {statistics.median(ratios):.3f} "
@@ -56,17 +67,20 @@ def pairs(file):
 
 def against_trl(file):
     result = json.loads((HERE / file).read_text())
-    print(f"\n| pair | {result['ours']}: median step, s | TRL {result['pairs'][0]['trl']['trl']} "
-          "| ours faster by | peak resident, GB (ours, TRL) | mean response tokens (ours, TRL) |")
-    print("|---|---|---|---|---|---|")
+    print()
+    version = result["pairs"][0]["trl"]["trl"]
+    rows = []
     for i, pair in enumerate(result["pairs"], 1):
-        ours, theirs = pair["ours"], pair["trl"]
-        lengths = [statistics.mean(run["response_len"]) for run in (ours, theirs)]
-        print(f"| {i} | {ours['median_step_s']:.1f} | {theirs['median_step_s']:.1f} | "
-              f"{pair['speedup']:.2f}x | {ours['peak_rss_gb']:.2f}, {theirs['peak_rss_gb']:.2f} | "
-              f"{lengths[0]:.1f}, {lengths[1]:.1f} |")
+        ours, trl = pair["ours"], pair["trl"]
+        lengths = [f"{statistics.mean(run['response_len']):.1f}" for run in (ours, trl)]
+        rows.append([str(i), f"{ours['median_step_s']:.1f}", f"{trl['median_step_s']:.1f}",
+                     f"{pair['speedup']:.2f}x",
+                     f"{ours['peak_rss_gb']:.2f}, {trl['peak_rss_gb']:.2f}", ", ".join(lengths)])
+    markdown(["pair", f"{result['ours']}: median step, s", f"TRL {version}", "ours faster by",
+              "peak resident, GB (ours, TRL)", "mean response tokens (ours, TRL)"], rows)
     low, high = result["speedup_range"]
-    print(f"\nmedian of the pairs' speedups {result['speedup_median']:.2f}x (pairs {low:.2f}-{high:.2f})")
+    print(f"\nmedian of the pairs' speedups {result['speedup_median']:.2f}x "
+          f"(pairs {low:.2f}-{high:.2f})")
 
 
 if __name__ == "__main__":

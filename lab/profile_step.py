@@ -14,8 +14,16 @@ train_s from its metrics.jsonl:
 - other: the step's time outside every timed function
 Nothing else changes: the run computes what train.py computes (its metrics land in --out).
 
+`--flops` restates the step's floor (issue 62, item 1): a second run of the same command (the same
+seed, so the same samples and shapes) counts each phase's matmul FLOPs as they run
+(torch.utils.flop_counter.FlopCounterMode: GEMMs and attention, the masked part of attention
+included; elementwise work left out; counting slows a run, so the times come from the first run);
+a phase's floor is its FLOPs at this machine's GEMM rate (one 2048^3 GEMM in the run's dtype and
+threads, the best of 5) and its share the floor over its measured seconds.
+
     python -m lab.profile_step --out /tmp/profile.json               # 4 steps of the default run
     python -m lab.profile_step --steps 3 -- --kl k3 --place loss     # another configuration
+    python -m lab.profile_step --flops -- --kl k1 --place reward --dtype float32
 """
 import argparse
 import collections
@@ -27,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils import flop_counter
 
 import logprobs
 import rollout
@@ -34,6 +43,16 @@ import train
 from systems import optim, runtime
 
 TIMES = collections.defaultdict(float)  # phase -> seconds in the current step
+FLOPS = collections.defaultdict(float)  # phase -> matmul FLOPs in the current step (--flops' run)
+COUNTING = {"on": False}  # --flops' second run: count FLOPs instead of timing
+# the CPU's fused attention kernels, which torch's flop counter has no formula for (it would count 0)
+# (each formula is given the arguments' shapes)
+ATTENTION_FLOPS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+        lambda q, k, v, *args, out_shape=None, **kwargs: flop_counter.sdpa_flop_count(q, k, v),
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda grad, q, k, v, *args, out_shape=None, **kwargs:
+            flop_counter.sdpa_backward_flop_count(grad, q, k, v)}
 
 
 def timed(module, name, phase_of):
@@ -44,6 +63,12 @@ def timed(module, name, phase_of):
     @functools.wraps(original)
     def wrapper(*args, **kwargs):
         phase = phase_of(*args, **kwargs)
+        if COUNTING["on"] and phase:
+            with flop_counter.FlopCounterMode(display=False,
+                                              custom_mapping=ATTENTION_FLOPS) as counter:
+                result = original(*args, **kwargs)
+            FLOPS[phase] += counter.get_total_flops()
+            return result
         start = time.perf_counter()
         try:
             return original(*args, **kwargs)
@@ -54,9 +79,9 @@ def timed(module, name, phase_of):
     return original
 
 
-def install(policy_ids):
+def install(policy_ids, dtypes):
     """Timers on every phase; policy_ids: the ids of the models that are the policy (else the
-    reference), filled once train.main has made them."""
+    reference), filled once train.main has made them; dtypes: the policy's compute dtype."""
     timed(rollout, "generate", lambda *a, **k: "sampling: total")
     timed(rollout, "cache_for_prompts", lambda *a, **k: "sampling: prefill")
     timed(rollout, "decode", lambda *a, **k: "sampling: decode forward")
@@ -76,46 +101,117 @@ def install(policy_ids):
         policy_ids.update({id(model), id(wrapped)})
         return wrapped
     runtime.wrap = wrap_and_note
+    start = runtime.start
+
+    def start_and_note(*args, **kwargs):
+        started = start(*args, **kwargs)
+        dtypes.add(started[3])  # (rank, world_size, device, dtype)
+        return started
+    runtime.start = start_and_note
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="steps of the run (the first warms)")
     parser.add_argument("--out", default=None, help="write the figures here as JSON")
+    parser.add_argument("--flops", action="store_true",
+                        help="a second run counts each phase's FLOPs: the floor and its share")
     parser.add_argument("train_args", nargs="*", help="train.py's flags after --")
     args = parser.parse_args(argv)
     train_args = args.train_args or ["--kl", "k1", "--place", "reward"]
-    per_step = []
-    policy_ids = set()
-    install(policy_ids)
-    # each step's TIMES: the loop's tqdm bar updates once a step; its postfix is set after the log
-    step_end = train.checkpoint.log_row
-
-    def log_row(path, row):
-        step_end(path, row)
-        per_step.append({"step": row["step"], "sample_s": row["sample_s"],
-                         "train_s": row["train_s"], **TIMES,
-                         "response_len": row["response_len"]})
-        TIMES.clear()
-    train.checkpoint.log_row = log_row
-    with tempfile.TemporaryDirectory() as out:
-        wall = time.perf_counter()
-        train.main(train_args + ["--steps", str(args.steps), "--out", str(Path(out) / "run")])
-        wall = time.perf_counter() - wall
+    policy_ids, dtypes = set(), set()
+    install(policy_ids, dtypes)
+    wall = time.perf_counter()
+    per_step = run(train_args, args.steps, TIMES)
+    wall = time.perf_counter() - wall
     summary = summarize(per_step[1:] or per_step)
     result = {"argv": train_args, "steps": args.steps, "threads": torch.get_num_threads(),
               "machine": platform.processor() or platform.machine(), "wall_s": wall,
               "per_step": per_step, "mean_after_first": summary}
     for phase, seconds in summary.items():
         print(f"{phase:36s} {seconds:8.2f}")
+    if args.flops:
+        COUNTING["on"] = True
+        flop_steps = run(train_args, args.steps, FLOPS)
+        (dtype,) = dtypes
+        result.update(flops_per_step=flop_steps, gemm_dtype=str(dtype),
+                      gemm_flops_per_s=gemm_rate(dtype), **floors(per_step, flop_steps))
+        print(f"GEMM rate {result['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s ({dtype}); same "
+              f"samples in both runs: {result['same_samples']}")
+        for phase, row in floor_table(result).items():
+            print(f"{phase:36s} {row['gflop']:8.1f} GFLOP  floor {row['floor_s']:6.2f} s  "
+                  f"measured {row['seconds']:6.2f} s  share {row['share']:.3f}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return result
 
 
+def run(train_args, steps, counts):
+    """train.main(train_args) for `steps` steps; each step's `counts` (TIMES or FLOPS) and its
+    metrics, a dict a step."""
+    per_step = []
+    # each step's counts: the metrics row is logged once a step, after its last phase
+    step_end = train.checkpoint.log_row
+
+    def log_row(path, row):
+        step_end(path, row)
+        per_step.append({"step": row["step"], "sample_s": row["sample_s"],
+                         "train_s": row["train_s"], **counts,
+                         "response_len": row["response_len"], "kl_k1": row.get("kl_k1")})
+        TIMES.clear()
+        FLOPS.clear()
+    train.checkpoint.log_row = log_row
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            train.main(train_args + ["--steps", str(steps), "--out", str(Path(out) / "run")])
+    finally:
+        train.checkpoint.log_row = step_end
+    return per_step
+
+
+def gemm_rate(dtype, size=2048, repeats=5):
+    """FLOP/s of one size^3 GEMM in `dtype` with this process's threads, the best of `repeats`."""
+    a, b = (torch.randn(size, size).to(dtype) for _ in range(2))
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best
+
+
+def floors(time_steps, flop_steps):
+    """Each phase's mean FLOPs a step over the steps after the first (as the times), and whether
+    the two runs drew the same samples (the same response lengths and kl_k1 at every step)."""
+    steps = flop_steps[1:] or flop_steps
+    same = all(a["response_len"] == b["response_len"] and a["kl_k1"] == b["kl_k1"]
+               for a, b in zip(time_steps, flop_steps))
+    return {"same_samples": same,
+            "mean_flops_after_first": {phase: sum(step.get(phase, 0.0) for step in steps)
+                                       / len(steps) for phase in FLOP_PHASES}}
+
+
+FLOP_PHASES = ("sampling: prefill", "sampling: decode forward", "sampling: decode sampling",
+               "log-probs: policy, no grad", "log-probs: reference, no grad",
+               "update: gradient pass forward", "update: backward", "update: refresh sampler")
+
+
+def floor_table(result):
+    """{phase: gflop, floor_s, seconds, share} for each phase that runs FLOPs, and the step's (its
+    phases' FLOPs summed, against the whole step's seconds)."""
+    flops, seconds = result["mean_flops_after_first"], result["mean_after_first"]
+    rate = result["gemm_flops_per_s"]
+    rows = {phase: (flops[phase], seconds.get(phase, float("nan"))) for phase in FLOP_PHASES
+            if flops.get(phase)}
+    rows["step"] = (sum(f for f, _ in rows.values()), seconds["step"])
+    return {phase: {"gflop": f / 1e9, "floor_s": f / rate, "seconds": s, "share": f / rate / s}
+            for phase, (f, s) in rows.items()}
+
+
 def summarize(steps):
     """Each phase's mean seconds a step, with the step's total and what no timer covered."""
-    phases = sorted({k for step in steps for k in step} - {"step", "response_len"})
+    phases = sorted({k for step in steps for k in step} - {"step", "response_len", "kl_k1"})
     mean = {k: sum(step.get(k, 0.0) for step in steps) / len(steps) for k in phases}
     total = mean["sample_s"] + mean["train_s"]
     sampling = mean.get("sampling: total", 0.0)

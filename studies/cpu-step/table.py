@@ -83,8 +83,25 @@ def against_trl(file):
           f"(pairs {low:.2f}-{high:.2f})")
 
 
+def floor(file):
+    """The step against its restated floor: each phase's FLOPs at the measured GEMM rate."""
+    import sys
+    sys.path.insert(0, str(HERE.parents[1]))
+    from lab.profile_step import floor_table
+
+    result = json.loads((HERE / file).read_text())
+    print()
+    markdown(["phase (a step, mean of steps 2-4)", "GFLOP", "floor, s", "measured, s",
+              "share of the floor"],
+             [[phase, f"{row['gflop']:.1f}", f"{row['floor_s']:.2f}", f"{row['seconds']:.2f}",
+               f"{row['share']:.3f}"] for phase, row in floor_table(result).items()])
+    print(f"\nGEMM rate {result['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s ({result['gemm_dtype']}); "
+          f"the same samples in both runs: {result['same_samples']}")
+
+
 if __name__ == "__main__":
     profiles()
     pairs("bench_step_09486f1.json")
     pairs("bench_step_09486f1_673e1c0.json")
     against_trl("bench_trl_673e1c0.json")
+    floor("floor_d5a4fa9.json")

@@ -18,7 +18,8 @@
 - `wrap` / `unwrap`: the policy under DDP or FSDP2 (`shard`), and the plain model inside it;
   `no_dropout` for the train mode that activation checkpointing needs; `checkpoint_activations`
   applies --recompute (systems/recompute.py).
-- `return_freed_memory()`: gives freed memory back to the operating system once a step (glibc).
+- `return_freed_memory()`: gives freed memory back to the operating system once a step (glibc);
+  `huge_pages_for_cpu_tensors()`, 2 MB pages for the large CPU tensors (start calls it).
 """
 import copy
 import ctypes
@@ -223,6 +224,7 @@ def start(dtype="auto"):
     """(rank, world_size, device, dtype): this process's device (GPU LOCAL_RANK of its node), set
     before torchrun's process group is joined, so NCCL binds to it (device_id) and not to cuda:0;
     the global rank and world size; the compute dtype."""
+    huge_pages_for_cpu_tensors()
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
     if cuda:
@@ -232,6 +234,16 @@ def start(dtype="auto"):
     rank = dist.get_rank() if dist.is_initialized() else 0
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     return rank, world_size, device, compute_dtype(dtype, device)
+
+
+def huge_pages_for_cpu_tensors():
+    """PyTorch's CPU allocator puts each tensor of 2 MB or more on 2 MB-aligned memory and asks the
+    kernel for transparent huge pages there (madvise), when THP_MEM_ALLOC_ENABLE is 1; set here
+    unless the user set it (0 turns it off). Read once, at the process's first CPU allocation, so
+    this runs before any: start() calls it first. On a 2-core CPU the weights a decode step streams,
+    and each pass's fresh activations, then take 512x fewer page faults and TLB misses
+    (docs/benchmarks.md, "Huge pages"). Where the kernel's THP mode is "never" it changes nothing."""
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
 def finish():

@@ -186,20 +186,7 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
         return load_sharded(name, trust_remote_code).to(dtype).eval()
     model = _from_pretrained(AutoModelForCausalLM, name, dtype=dtype,
                              trust_remote_code=trust_remote_code)
-    return weights_in_own_memory(model).eval()
-
-
-@torch.no_grad()
-def weights_in_own_memory(model):
-    """Each weight copied out of the file it was read from. `from_pretrained` leaves a safetensors
-    file's weights as private pages of the file's mapping, copied 4 KB at a time on the optimizer's
-    first write, and never on huge pages; copies come from PyTorch's allocator, on huge pages where
-    the process asked for them (runtime.huge_pages_for_cpu_tensors; docs/benchmarks.md, "Huge
-    pages"). Tied weights stay tied: each parameter is copied once, in place of its storage."""
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if tensor.device.type == "cpu":
-            tensor.data = tensor.data.clone()
-    return model
+    return model.eval()
 
 
 def is_sharded_checkpoint(name):

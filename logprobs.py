@@ -193,15 +193,21 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
         logits = model(input_ids=input_ids, attention_mask=allowed.unsqueeze(1),
                        position_ids=position_ids, use_cache=False, logits_to_keep=to_keep,
                        **segments).logits
-    logits = logits[pack_of_row[:, None].to(device), kept_column.to(device)]  # (B, T, vocab)
+    # only the response tokens' rows of logits, (N, vocab): the padding after each response's end
+    # (up to the batch's longest) never reaches the log-softmax, forward or backward
+    row, column = (response_mask.detach().cpu() != 0).nonzero(as_tuple=True)
+    logits = logits[pack_of_row[row].to(device), kept_column[row, column].to(device)]
     logits = logits.float() if temperature == 1 else logits.float() / temperature  # no copy at 1
     logp_all = logits.log_softmax(-1)
-    del logits  # the entropy's (B, T, vocab) temporary takes its place: two such tensors at a time
-    logp = logp_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    del logits  # the entropy's (N, vocab) temporary takes its place: two such tensors at a time
+    row, column = row.to(device), column.to(device)
+    logp = logp_all.gather(-1, responses[row, column].unsqueeze(-1)).squeeze(-1)
+    logp = torch.zeros(response_mask.shape, device=device).index_put((row, column), logp)  # (B, T)
     if not entropy:
         return logp * response_mask, None
     with torch.no_grad():
-        entropy = -logp_all.exp().mul_(logp_all).sum(-1)  # one (B, T, vocab) temporary, not two
+        entropy = -logp_all.exp().mul_(logp_all).sum(-1)  # one (N, vocab) temporary, not two
+        entropy = torch.zeros(response_mask.shape, device=device).index_put((row, column), entropy)
     return logp * response_mask, entropy * response_mask
 
 

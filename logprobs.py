@@ -31,6 +31,11 @@ def response_lengths(response_mask):
     return torch.where(response_mask.detach().cpu() != 0, t, 0).max(1).values.tolist()
 
 
+def response_tokens(response_mask):
+    """(row, column) of every response token (the mask's nonzero entries), host tensors."""
+    return (response_mask.detach().cpu() != 0).nonzero(as_tuple=True)
+
+
 def pack_layout(prompts, response_mask):
     """How token_logprobs packs the rows: (packs, P, L, pack_of_row, kept_column). Runs of rows with
     the same prompt (an RLOO group is contiguous) share a pack, a list of (row, offset, length):
@@ -195,7 +200,7 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
                        **segments).logits
     # only the response tokens' rows of logits, (N, vocab): the padding after each response's end
     # (up to the batch's longest) never reaches the log-softmax, forward or backward
-    row, column = (response_mask.detach().cpu() != 0).nonzero(as_tuple=True)
+    row, column = response_tokens(response_mask)
     logits = logits[pack_of_row[row].to(device), kept_column[row, column].to(device)]
     logits = logits.float() if temperature == 1 else logits.float() / temperature  # no copy at 1
     logp_all = logits.log_softmax(-1)

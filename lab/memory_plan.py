@@ -209,17 +209,22 @@ class LiveBytes(TorchDispatchMode):
 
 @contextlib.contextmanager
 def real_layout():
-    """logprobs.pack_layout reads the response lengths (host values): on real tensors."""
-    pack_layout = logprobs.pack_layout
+    """logprobs.pack_layout and response_tokens read the response lengths (host values): on real
+    tensors, every response full length."""
+    pack_layout, response_tokens = logprobs.pack_layout, logprobs.response_tokens
 
     def layout(prompts, response_mask):
         with unset_fake_temporarily():
             return pack_layout(prompts, torch.ones(response_mask.shape))
-    logprobs.pack_layout = layout
+
+    def tokens(response_mask):
+        with unset_fake_temporarily():
+            return response_tokens(torch.ones(response_mask.shape))
+    logprobs.pack_layout, logprobs.response_tokens = layout, tokens
     try:
         yield
     finally:
-        logprobs.pack_layout = pack_layout
+        logprobs.pack_layout, logprobs.response_tokens = pack_layout, response_tokens
 
 
 def fake_model(config, dtype):

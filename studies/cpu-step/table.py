@@ -9,7 +9,8 @@ PROFILES = {"6f36863 (two policy passes, --recompute full)": "profile_6f36863.js
             "857d9d6 (one policy pass, --recompute none)": "profile_857d9d6.json",
             "0d07eab (and the prompts' common prefix once)": "profile_0d07eab.json",
             "673e1c0 (the sampler's prefix once, trim once a step; machine B)":
-                "profile_673e1c0.json"}
+                "profile_673e1c0.json",
+            "e92925c (and huge pages; machine C)": "profile_e92925c_machine_c.json"}
 ROWS = [("sampling: prefill", ["sampling: prefill"]),
         ("sampling: decode forward", ["sampling: decode forward"]),
         ("sampling: the rest", ["sampling: decode sampling", "sampling: other"]),
@@ -105,3 +106,7 @@ if __name__ == "__main__":
     pairs("bench_step_09486f1_673e1c0.json")
     against_trl("bench_trl_673e1c0.json")
     floor("floor_d5a4fa9.json")
+    for file in ("bench_step_thp.json", "bench_step_own_memory.json",
+                 "bench_step_response_rows.json", "bench_step_09486f1_bf562d8.json"):
+        if (HERE / file).exists():  # machine C
+            pairs(file)

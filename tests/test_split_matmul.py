@@ -119,6 +119,9 @@ def test_the_trainers_bf16x6_passes_run_every_linear_layer_through_six_products(
                                               micro_batch=2, entropy=True)
     layers = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert calls == [6] * layers * 2  # two micro-batches: the group of two, then the third row
+    # the same micro-batches: a CPU's bf16 GEMM (AMX) need not round alike at other row counts
     with torch.no_grad(), bf16_pieces(6):
-        expected = logprobs.token_logprobs(model, prompts, responses, mask, 1.0, torch.float32)[0]
+        expected = torch.cat([logprobs.token_logprobs(model, prompts[rows], responses[rows],
+                                                      mask[rows], 1.0, torch.float32)[0]
+                              for rows in (slice(0, 2), slice(2, 3))])
     assert torch.equal(logp, expected) and entropy.shape == (3, 24)

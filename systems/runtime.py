@@ -12,8 +12,8 @@
   in a collective.
 - `make_sampler`, `release_sampler`, `refresh_sampler`: the compute-dtype copy of the policy that
   rollout.generate samples from, its memory given to the training pass in between;
-  `sampler_decoder`, the decoder it samples with on this device (the GPU's machinery; a CPU's,
-  its fp32 linear layers through oneDNN; or rollout's own).
+  `sampler_decoder`, the decoder it samples with on this device (the GPU's machinery, or
+  rollout's own).
 - `resolve_device_defaults`: the features a GPU run has yet to decide, resolved in one place.
 - `wrap` / `unwrap`: the policy under DDP or FSDP2 (`shard`), and the plain model inside it;
   `no_dropout` for the train mode that activation checkpointing needs; `checkpoint_activations`
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from systems import activations, cuda_decode, onednn_linear, recompute, split_matmul
+from systems import activations, cuda_decode, recompute, split_matmul
 
 try:  # glibc, for return_freed_memory
     _libc = ctypes.CDLL("libc.so.6")
@@ -83,12 +83,6 @@ BF16X6_PAYS_ON = {(8, 0), (9, 0), (10, 0), (10, 3)}
 # card's bandwidth (the rule that keeps it is registered in docs/benchmarks.md); not a CPU, where
 # fused was no faster (studies/fused-cpu)
 FUSED_PROJECTIONS_ON = ("cuda",)
-
-
-# where the sampler's fp32 linear layers run through oneDNN's matmul, not MKL's sgemm
-# (systems/onednn_linear.py): a CPU, where a decode step's 32-row GEMMs ran 1.3-1.5x faster so
-# (the rule that keeps it is registered in docs/benchmarks.md)
-ONEDNN_LINEAR_ON = ("cpu",)
 
 
 # where train.py's sampler compiles its decode step unless --compile-sampler says
@@ -390,14 +384,11 @@ def sampler_decoder(device, compiled=False):
     """The decoder rollout.generate samples with on `device`, chosen once where the sampler is made
     (gpt-fast rebinds its decode step in main()): the GPU's machinery (cuda_decode.decoder: CUDA
     graphs, fused weights, flash-attn) on CUDA, and wherever the step is compiled (--compile-
-    sampler); on a CPU, rollout's own forward and step with its fp32 linear layers through oneDNN
-    (ONEDNN_LINEAR_ON); rollout's own elsewhere."""
+    sampler); rollout's own forward and step elsewhere, a CPU's default."""
     import rollout
 
     if device.type == "cuda" or compiled:
         return functools.partial(cuda_decode.decoder, compiled=compiled)
-    if device.type in ONEDNN_LINEAR_ON and torch.backends.mkldnn.is_available():
-        return onednn_linear.decoder
     return rollout.own_decoder
 
 

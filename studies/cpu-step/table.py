@@ -61,9 +61,12 @@ def pairs(file):
               for i, pair in enumerate(result["pairs"], 1)])
     ratios = [pair["ratio"] for pair in result["pairs"]]
     trains = [p["ours"]["median_train_s"] / p["against"]["median_train_s"] for p in result["pairs"]]
+    samples = [p["ours"]["median_sample_s"] / p["against"]["median_sample_s"]
+               for p in result["pairs"]]
     print(f"\nthe step: median of the pairs' ratios {statistics.median(ratios):.3f} "
           f"(pairs {min(ratios):.3f}-{max(ratios):.3f}); the training part alone "
-          f"{statistics.median(trains):.3f} ({min(trains):.3f}-{max(trains):.3f})")
+          f"{statistics.median(trains):.3f} ({min(trains):.3f}-{max(trains):.3f}); the sampling "
+          f"part alone {statistics.median(samples):.3f} ({min(samples):.3f}-{max(samples):.3f})")
 
 
 def against_trl(file):
@@ -109,4 +112,7 @@ if __name__ == "__main__":
     for file in ("bench_step_thp.json", "bench_step_own_memory.json",
                  "bench_step_response_rows.json", "bench_step_09486f1_bf562d8.json"):
         if (HERE / file).exists():  # machine C
+            pairs(file)
+    for file in ("bench_step_onednn.json",):
+        if (HERE / file).exists():  # machine A
             pairs(file)

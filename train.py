@@ -118,7 +118,6 @@ def main(argv=None):
     for step in bar:
         # ------------------------------------------------------------ rollout
         t0 = time.time()
-        runtime.return_freed_memory()
         # --async-lag N: the batch trained on was sampled N updates ago (the first ones by the
         # initial weights), so N + 1 batches are sampled ahead, each with the step of its weights
         while len(queue) <= args.async_lag:

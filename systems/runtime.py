@@ -18,7 +18,7 @@
 - `wrap` / `unwrap`: the policy under DDP or FSDP2 (`shard`), and the plain model inside it;
   `no_dropout` for the train mode that activation checkpointing needs; `checkpoint_activations`
   applies --recompute (systems/recompute.py).
-- `return_freed_memory()`: gives freed memory back to the operating system once a step (glibc);
+- `return_freed_memory()`: gives freed memory back to the operating system (glibc; lab/memory_plan.py);
   `huge_pages_for_cpu_tensors()`, 2 MB pages for the large CPU tensors (start calls it).
 """
 import copy
@@ -255,10 +255,10 @@ def finish():
 
 def return_freed_memory():
     """Give the pages of freed memory back to the operating system (glibc's malloc_trim; a no-op
-    elsewhere). glibc keeps freed blocks under 32 MB in its heap, and a step's temporaries, freed
-    between long-lived tensors, would stay resident as holes. Called once a step, before sampling:
-    before each pass it made the next pass fault its pages in again (the gradient pass's forward
-    ~0.5 s slower a micro-batch on a 2-core AVX2 CPU, the peak no lower: docs/benchmarks.md)."""
+    elsewhere): lab/memory_plan.py's baseline before a run. train.py no longer calls it: glibc keeps
+    freed blocks under 32 MB in its heap, and a trim before each pass, then once a step, made the
+    next gradient pass fault its pages in again (its forward up to 2x slower on a 2-core AVX2
+    CPU, the peak no lower: docs/benchmarks.md, "The heap kept across steps")."""
     if _libc is not None:
         _libc.malloc_trim(0)
 

@@ -380,6 +380,19 @@ def test_two_steps_single_process(tiny, two_steps):
     assert json.loads((out / "config.json").read_text())["kl"] == "k1"
 
 
+def test_the_loop_never_gives_the_heap_back(tiny, tmp_path):
+    """No malloc_trim inside train.main: a trim between steps made each gradient pass fault its
+    pages in again (its forward up to 2x slower on a 2-core CPU, the peak no lower:
+    docs/benchmarks.md, "The heap kept across steps")."""
+    class Libc:
+        trims = []
+
+        def malloc_trim(self, pad):
+            self.trims.append(pad)
+    train(flags(tiny, tmp_path, "--steps", "2"), systems__runtime___libc=Libc())
+    assert Libc.trims == []
+
+
 def test_reference_never_changes(tiny, two_steps):
     reference, policy = two_steps["run"]["reference"], two_steps["run"]["policy"]
     assert not any(p.requires_grad for p in reference.parameters())

@@ -113,6 +113,7 @@ if __name__ == "__main__":
                  "bench_step_response_rows.json", "bench_step_09486f1_bf562d8.json"):
         if (HERE / file).exists():  # machine C
             pairs(file)
-    for file in ("bench_step_onednn.json",):
+    for file in ("bench_step_onednn.json", "bench_step_heap_kept.json",
+                 "bench_step_09486f1_heap_kept.json"):
         if (HERE / file).exists():  # machine A
             pairs(file)

@@ -18,7 +18,7 @@
 - `wrap` / `unwrap`: the policy under DDP or FSDP2 (`shard`), and the plain model inside it;
   `no_dropout` for the train mode that activation checkpointing needs; `checkpoint_activations`
   applies --recompute (systems/recompute.py).
-- `return_freed_memory()`: gives freed memory back to the operating system (glibc; lab/memory_plan.py);
+- `return_freed_memory()`: gives freed memory back to the system (glibc; lab/memory_plan.py);
   `huge_pages_for_cpu_tensors()`, 2 MB pages for the large CPU tensors (start calls it).
 """
 import copy

@@ -103,6 +103,27 @@ def floor(file):
           f"the same samples in both runs: {result['same_samples']}")
 
 
+def twenty_steps():
+    """The whole default run at two commits: minutes of steps, peak resident (GB, KiB * 1024 / 1e9
+    as bench_step), the first step whose metrics differ."""
+    peaks = json.loads((HERE / "twenty_steps_peaks.json").read_text())
+    runs = {commit: [json.loads(line) for line in
+                     (HERE / f"twenty_steps_{commit}.metrics.jsonl").read_text().splitlines()]
+            for commit in ("6853a1d", "71a97a7")}
+    print()
+    markdown(["commit", "steps", "minutes of steps", "peak resident, GB", "mean reward"],
+             [[commit, str(len(rows)), f"{sum(r['sample_s'] + r['train_s'] for r in rows) / 60:.2f}",
+               f"{peaks[commit]['max_rss_kib'] * 1024 / 1e9:.2f}",
+               f"{statistics.mean(r['reward'] for r in rows):.4f}"] for commit, rows in runs.items()])
+    ours, theirs = runs.values()
+    apart = [a["step"] for a, b in zip(ours, theirs) if a["kl_k1"] != b["kl_k1"]]
+    same = all(a["reward"] == b["reward"] and a["response_len"] == b["response_len"]
+               for a, b in zip(ours, theirs))
+    ratio = peaks["6853a1d"]["max_rss_kib"] / peaks["71a97a7"]["max_rss_kib"]
+    print(f"\npeak ratio {ratio:.4f}; rewards and lengths equal at every step: {same}; kl_k1 first "
+          f"apart at step {apart[0] if apart else None}")
+
+
 if __name__ == "__main__":
     profiles()
     pairs("bench_step_09486f1.json")
@@ -117,3 +138,5 @@ if __name__ == "__main__":
                  "bench_step_09486f1_heap_kept.json"):
         if (HERE / file).exists():  # machine A
             pairs(file)
+    if (HERE / "twenty_steps_peaks.json").exists():  # machine A
+        twenty_steps()

@@ -1,9 +1,10 @@
-"""One-off (machine A, 2026-12-03, code as at 71a97a7): four rounds of the default step's passes in one
-process, SmolLM2's default batch (8 arith prompts x 4, 40 new tokens): generate, the no-grad pass, the
-gradient pass's forward and its backward, each timed; between rounds `trim` calls malloc_trim(0) (what
-train.py did once a step), `notrim` does not, `keep` also raises glibc's mmap and trim thresholds.
-Its printed lines (peak: ru_maxrss's KiB / 1e6), from the same code run from /tmp before it moved
-here: heap_rounds.txt. `python studies/cpu-step/heap_rounds.py trim|notrim|keep`."""
+"""One-off (machine A, 2026-12-03, code as at 71a97a7): four rounds of the default step's
+passes in one process, SmolLM2's default batch (8 arith prompts x 4, 40 new tokens): generate, the
+no-grad pass, the gradient pass's forward and its backward, each timed; between rounds `trim` calls
+malloc_trim(0) (what train.py did once a step), `notrim` does not, `keep` also raises glibc's mmap
+and trim thresholds. Its printed lines (peak: ru_maxrss's KiB / 1e6), from the same code run from
+/tmp before it moved here: heap_rounds.txt.
+`python studies/cpu-step/heap_rounds.py trim|notrim|keep`."""
 import ctypes
 import resource
 import sys
@@ -28,7 +29,8 @@ problems = data.prompt_batch(data.load_task("arith", seed=0), 0, 8, 0)
 prompts = [ids for example in problems for ids in [data.prompt_ids(tokenizer, example)] * 4]
 for it in range(4):
     t0 = time.perf_counter()
-    out = rollout.generate(model, prompts, 40, 1.0, 1.0, stop, torch.Generator().manual_seed(5 + it))
+    generator = torch.Generator().manual_seed(5 + it)
+    out = rollout.generate(model, prompts, 40, 1.0, 1.0, stop, generator)
     t1 = time.perf_counter()
     tokens, mask = out.tokens, out.response_mask
     with torch.no_grad():

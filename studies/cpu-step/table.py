@@ -112,16 +112,18 @@ def twenty_steps():
             for commit in ("6853a1d", "71a97a7")}
     print()
     markdown(["commit", "steps", "minutes of steps", "peak resident, GB", "mean reward"],
-             [[commit, str(len(rows)), f"{sum(r['sample_s'] + r['train_s'] for r in rows) / 60:.2f}",
+             [[commit, str(len(rows)),
+               f"{sum(r['sample_s'] + r['train_s'] for r in rows) / 60:.2f}",
                f"{peaks[commit]['max_rss_kib'] * 1024 / 1e9:.2f}",
-               f"{statistics.mean(r['reward'] for r in rows):.4f}"] for commit, rows in runs.items()])
+               f"{statistics.mean(r['reward'] for r in rows):.4f}"]
+              for commit, rows in runs.items()])
     ours, theirs = runs.values()
     apart = [a["step"] for a, b in zip(ours, theirs) if a["kl_k1"] != b["kl_k1"]]
     same = all(a["reward"] == b["reward"] and a["response_len"] == b["response_len"]
                for a, b in zip(ours, theirs))
     ratio = peaks["6853a1d"]["max_rss_kib"] / peaks["71a97a7"]["max_rss_kib"]
-    print(f"\npeak ratio {ratio:.4f}; rewards and lengths equal at every step: {same}; kl_k1 first "
-          f"apart at step {apart[0] if apart else None}")
+    print(f"\npeak ratio {ratio:.4f}; rewards and lengths equal at every step: {same}; "
+          f"kl_k1 first apart at step {apart[0] if apart else None}")
 
 
 if __name__ == "__main__":

@@ -124,6 +124,12 @@ def twenty_steps():
     ratio = peaks["6853a1d"]["max_rss_kib"] / peaks["71a97a7"]["max_rss_kib"]
     print(f"\npeak ratio {ratio:.4f}; rewards and lengths equal at every step: {same}; "
           f"kl_k1 first apart at step {apart[0] if apart else None}")
+    rerun = [json.loads(line) for line in
+             (HERE / "twenty_steps_8a93315_rerun.metrics.jsonl").read_text().splitlines()]
+    apart = [a["step"] for a, b in zip(ours, rerun) if a["kl_k1"] != b["kl_k1"]]
+    same = all(a["reward"] == b["reward"] for a, b in zip(ours, rerun))
+    print(f"the same code run again (8a93315): rewards equal at every step: {same}; kl_k1 first "
+          f"apart from 6853a1d's at step {apart[0] if apart else None}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ coefficients are fitted to lab/memory_plan.py's trace of the pass (FakeTensorMod
 storages), one width changed at a time; under --recompute full a layer keeps its input only (d).
 The output layer's log-softmax over the vocabulary, rows x T x V, is kept either way, and its
 backward makes two more of its size (the pass takes the response tokens' rows only: an overcount
-where responses end before T, exact for the worst shape). tests/test_activations.py holds the form against the trace.
+where responses end before T, exact for the worst shape). tests/test_activations.py holds the form
+against the trace.
 """
 import os
 

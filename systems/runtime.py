@@ -242,9 +242,9 @@ def huge_pages_for_cpu_tensors():
     unless the user set it (0 turns it off). Read once, at the process's first CPU allocation, so
     this runs before any: start() calls it first. Each pass's fresh activations, the KV cache and a
     bf16 sampler's copy then fault in 2 MB at a time, not 4 KB (the fp32 weights stay the file
-    pages from_pretrained maps: copying them off did not pay). The default step 0.972 of its time
-    without, on a 2-core AVX2 CPU (docs/benchmarks.md, "Huge pages"). Where the kernel's THP mode
-    is "never" it changes nothing."""
+    pages from_pretrained maps: copying them off did not pay). The default step takes 0.972 of its
+    time without them on a 2-core AVX2 CPU (docs/benchmarks.md, "Huge pages"). Where the kernel's
+    THP mode is "never" it changes nothing."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 

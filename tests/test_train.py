@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -384,13 +385,10 @@ def test_the_loop_never_gives_the_heap_back(tiny, tmp_path):
     """No malloc_trim inside train.main: a trim between steps made each gradient pass fault its
     pages in again (its forward up to 2x slower on a 2-core CPU, the peak no lower:
     docs/benchmarks.md, "The heap kept across steps")."""
-    class Libc:
-        trims = []
-
-        def malloc_trim(self, pad):
-            self.trims.append(pad)
-    train(flags(tiny, tmp_path, "--steps", "2"), systems__runtime___libc=Libc())
-    assert Libc.trims == []
+    trims = []  # each malloc_trim's argument
+    libc = types.SimpleNamespace(malloc_trim=trims.append)
+    train(flags(tiny, tmp_path, "--steps", "2"), systems__runtime___libc=libc)
+    assert trims == []
 
 
 def test_reference_never_changes(tiny, two_steps):

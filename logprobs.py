@@ -11,8 +11,7 @@ would see alone. Micro-batches keep a group whole
 (micro_batch_sizes). systems/segment_attention.py computes the same attention without the pack's
 dense mask. On a CPU (runtime.SHARED_PREFIX_ON) the groups of a micro-batch share one sequence,
 their prompts' common prefix (the chat template, the few-shot examples) computed once
-(shared_prefix_pack), where that costs fewer FLOPs (sharing_pays), its attention by blocks
-(systems/prefix_attention.py: only the pairs its mask can let through).
+(shared_prefix_pack), where that costs fewer FLOPs (sharing_pays).
 """
 import contextlib
 import itertools
@@ -21,7 +20,6 @@ import os
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from systems import prefix_attention
 from systems import runtime
 from systems import segment_attention
 from systems import split_matmul
@@ -85,9 +83,7 @@ def shared_layout(prompts, response_mask):
 def sharing_pays(config, prompts, response_mask):
     """Whether shared_prefix_pack's one sequence costs fewer FLOPs than pack_layout's packs: 2 a
     weight of a decoder layer at each position, and under the dense block mask 4 x hidden size a
-    layer at each (query, key) pair the sequence computes, allowed or not (L^2 a sequence; the
-    shared sequence's attention by blocks computes fewer: an overcount, so it never shares where
-    that costs more)."""
+    layer at each (query, key) pair the sequence computes, allowed or not (L^2 a sequence)."""
     packs, _, L, _, _ = pack_layout(prompts, response_mask)
     shared_L = shared_layout(prompts, response_mask)[3]
     d = config.hidden_size
@@ -103,7 +99,7 @@ def shared_prefix_pack(prompts, responses, response_mask):
     prefix and to itself; a response to the prefix, its group's rest and its own earlier tokens,
     each at the position it has alone. Returns (input_ids (L,), position_ids (L,), allowed (L, L),
     keep: the columns whose logits are needed, kept_column (B, T): the index into keep that
-    predicts token t of each row, 0 past its length, blocks: each group's (start, stop) columns)."""
+    predicts token t of each row, 0 past its length)."""
     B, T = response_mask.shape
     groups, lengths, shared, L = shared_layout(prompts, response_mask)
     device = responses.device
@@ -120,7 +116,7 @@ def shared_prefix_pack(prompts, responses, response_mask):
             allowed[start:start + n, first:stop] = True
         return start + n
     at = place(0, groups[0][0][:shared], 0, [])
-    keep, kept_column, blocks = [], torch.zeros(B, T, dtype=torch.long), []
+    keep, kept_column = [], torch.zeros(B, T, dtype=torch.long)
     for prompt, rows in groups:
         rest = (at, place(at, prompt[shared:], shared, [(0, shared)]))
         at = rest[1]
@@ -131,9 +127,7 @@ def shared_prefix_pack(prompts, responses, response_mask):
             # token 0 from the prompt's last column, token t >= 1 from the column of t - 1
             kept_column[row, :max(n, 1)] = len(keep) + torch.arange(max(n, 1))
             keep += [last_prompt_column, *range(start, start + n - 1)]
-        blocks.append((rest[0], at))
-    return (input_ids, position_ids, allowed, torch.tensor(keep, device=device), kept_column,
-            blocks)
+    return input_ids, position_ids, allowed, torch.tensor(keep, device=device), kept_column
 
 
 def packed_inputs(model, prompts, responses, response_mask, by_segments):
@@ -168,19 +162,6 @@ def packed_inputs(model, prompts, responses, response_mask, by_segments):
             attention)
 
 
-def response_rows(logits, pack, kept):
-    """logits[pack, kept], the (N, vocab) rows that predict the response tokens: logits[0] itself
-    where those are all of its rows in order (no copy: 139 MB at the default batch, and a scatter
-    of as many in the backward), else a gather. In shared_prefix_pack's one sequence `kept` rises
-    (each row's tokens in order, the rows in order), so N of them is all of its N rows; in
-    pack_layout's packs the prompt's last column predicts every response's first token, and one
-    more column is kept than there are tokens: never all of them. (A shape, not the values: the
-    memory plan traces this on fake tensors.)"""
-    if logits.shape[0] == 1 and len(kept) == logits.shape[1]:
-        return logits[0]
-    return logits[pack, kept]
-
-
 def token_logprobs(model, prompts, responses, response_mask, temperature, dtype, entropy=False,
                    by_segments=False, share_prefix=False):
     """log pi(y_t | x, y<t) of each response token, (B, T) in fp32, and with entropy=True the
@@ -203,12 +184,8 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
     segments, attention, device = {}, contextlib.nullcontext(), responses.device
     # share_prefix: one sequence, the prompts' common prefix once, where that costs fewer FLOPs
     if share_prefix and sharing_pays(runtime.unwrap(model).config, prompts, response_mask):
-        input_ids, position_ids, allowed, to_keep, kept_column, blocks = shared_prefix_pack(
+        input_ids, position_ids, allowed, to_keep, kept_column = shared_prefix_pack(
             prompts, responses, response_mask)
-        # only the pairs the mask can let through (systems/prefix_attention.py)
-        segments = {"blocks": prefix_attention.layout(allowed, blocks)}
-        attention = segment_attention.attention(model, prefix_attention.NAME,
-                                                prefix_attention.prefix_attention)
         input_ids, position_ids, allowed = input_ids[None], position_ids[None], allowed[None]
         pack_of_row = torch.zeros(len(prompts), dtype=torch.long)
     else:
@@ -224,7 +201,7 @@ def token_logprobs(model, prompts, responses, response_mask, temperature, dtype,
     # only the response tokens' rows of logits, (N, vocab): the padding after each response's end
     # (up to the batch's longest) never reaches the log-softmax, forward or backward
     row, column = response_tokens(response_mask)
-    logits = response_rows(logits, pack_of_row[row].to(device), kept_column[row, column].to(device))
+    logits = logits[pack_of_row[row].to(device), kept_column[row, column].to(device)]
     logits = logits.float() if temperature == 1 else logits.float() / temperature  # no copy at 1
     logp_all = logits.log_softmax(-1)
     del logits  # the entropy's (N, vocab) temporary takes its place: two such tensors at a time

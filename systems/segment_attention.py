@@ -95,15 +95,14 @@ def segment_attention(module, query, key, value, attention_mask, scaling=None, d
 
 
 @contextlib.contextmanager
-def attention(model, name=NAME, function=None):
-    """Inside the block, `model` (or the module a DDP wrapper holds) attends with `function`
-    (segment_attention unless given: systems/prefix_attention.py's), registered as `name`; its
-    forward must be given the function's keyword (`segments`; `blocks`)."""
+def attention(model):
+    """Inside the block, `model` (or the module a DDP wrapper holds) attends with
+    segment_attention; its forward must be given `segments`."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(name, function or segment_attention)
+    AttentionInterface.register(NAME, segment_attention)
     config = getattr(model, "module", model).config
-    implementation, config._attn_implementation = config._attn_implementation, name
+    implementation, config._attn_implementation = config._attn_implementation, NAME
     try:
         yield
     finally:

@@ -19,7 +19,7 @@
   `no_dropout` for the train mode that activation checkpointing needs; `checkpoint_activations`
   applies --recompute (systems/recompute.py).
 - `return_freed_memory()`: gives freed memory back to the system (glibc; lab/memory_plan.py);
-  `huge_pages_for_cpu_tensors()`, 2 MB pages for the large CPU tensors (start calls it).
+  `keep_freed_memory()`, its opposite for a CPU run: every freed block kept (start calls it).
 """
 import copy
 import ctypes
@@ -35,11 +35,13 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from systems import activations, cuda_decode, recompute, split_matmul
 
-try:  # glibc, for return_freed_memory
+try:  # glibc, for return_freed_memory and keep_freed_memory
     _libc = ctypes.CDLL("libc.so.6")
     _libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    _libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
 except (OSError, AttributeError):
     _libc = None
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 
 
 def fail(message, prog=None):
@@ -224,11 +226,12 @@ def start(dtype="auto"):
     """(rank, world_size, device, dtype): this process's device (GPU LOCAL_RANK of its node), set
     before torchrun's process group is joined, so NCCL binds to it (device_id) and not to cuda:0;
     the global rank and world size; the compute dtype."""
-    huge_pages_for_cpu_tensors()
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
+    else:
+        keep_freed_memory()
     if "RANK" in os.environ and not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -236,16 +239,17 @@ def start(dtype="auto"):
     return rank, world_size, device, compute_dtype(dtype, device)
 
 
-def huge_pages_for_cpu_tensors():
-    """PyTorch's CPU allocator puts each tensor of 2 MB or more on 2 MB-aligned memory and asks the
-    kernel for transparent huge pages there (madvise), when THP_MEM_ALLOC_ENABLE is 1; set here
-    unless the user set it (0 turns it off). Read once, at the process's first CPU allocation, so
-    this runs before any: start() calls it first. Each pass's fresh activations, the KV cache and a
-    bf16 sampler's copy then fault in 2 MB at a time, not 4 KB (the fp32 weights stay the file
-    pages from_pretrained maps: copying them off did not pay). The default step takes 0.972 of its
-    time without them on a 2-core AVX2 CPU (docs/benchmarks.md, "Huge pages"). Where the kernel's
-    THP mode is "never" it changes nothing."""
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+def keep_freed_memory():
+    """A CPU run's memory, once its pages are faulted in, stays this process's: glibc serves every
+    allocation from its heap (M_MMAP_MAX 0: no block of its own mmap, as each one over 32 MB was,
+    unmapped when freed) and never trims the heap's top (M_TRIM_THRESHOLD -1). Each micro-batch
+    and each step allocate the same shapes, so the blocks freed are the next ones' and no page is
+    faulted in twice: before, the tied embedding's gradient (113 MB) and its zeros took ~0.9 s
+    and ~0.8 s a micro-batch in fresh pages on a 2-core AVX2 CPU (docs/benchmarks.md, "Every
+    freed block kept"). A no-op without glibc; a GPU run's host memory is left alone."""
+    if _libc is not None:
+        _libc.mallopt(M_MMAP_MAX, 0)
+        _libc.mallopt(M_TRIM_THRESHOLD, -1)
 
 
 def finish():
@@ -254,9 +258,9 @@ def finish():
 
 
 def return_freed_memory():
-    """Give the pages of freed memory back to the operating system (glibc's malloc_trim; a no-op
-    elsewhere): lab/memory_plan.py's baseline before a run. train.py no longer calls it: glibc keeps
-    freed blocks under 32 MB in its heap, and a trim before each pass, then once a step, made the
+    """Give the pages of freed memory back to the operating system (glibc's malloc_trim, which
+    keep_freed_memory's settings do not stop; a no-op elsewhere): lab/memory_plan.py's baseline
+    before a run. train.py no longer calls it: a trim before each pass, then once a step, made the
     next gradient pass fault its pages in again (its forward up to 2x slower on a 2-core AVX2
     CPU, the peak no lower: docs/benchmarks.md, "The heap kept across steps")."""
     if _libc is not None:

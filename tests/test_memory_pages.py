@@ -1,7 +1,7 @@
-"""Huge pages for the CPU's large tensors (issue 62; docs/benchmarks.md, "Huge pages"): runtime.start
-asks PyTorch's allocator for them before the process's first allocation. Read from the kernel's own
-account of the process (/proc/self/smaps): whether the mapping that holds a tensor may take huge
-pages (THPeligible).
+"""A CPU run keeps the memory it frees (issue 62; docs/benchmarks.md, "Every freed block kept"):
+runtime.start sets glibc's allocator to serve every block from its heap and never trim it, so a
+pass's freed tensors are the next pass's, their pages resident. Read from the kernel's own account
+of the process (/proc/self/statm's resident pages) in a fresh process.
 """
 import os
 import subprocess
@@ -9,36 +9,40 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from systems import runtime
 
 ROOT = Path(__file__).resolve().parents[1]
-THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
-@pytest.mark.skipif(not THP_MODE.exists() or "[never]" in THP_MODE.read_text(),
-                    reason="needs a kernel with transparent huge pages on (always or madvise)")
-def test_start_puts_large_cpu_tensors_where_huge_pages_may_back_them():
-    """A fresh process that calls runtime.start and then allocates 64 MB: the tensor's mapping is
-    THP-eligible (in madvise mode only because the allocator madvised it); with the user's
-    THP_MEM_ALLOC_ENABLE=0 it is not, in madvise mode."""
+@pytest.mark.skipif(runtime._libc is None or not Path("/proc/self/statm").exists(),
+                    reason="needs glibc and Linux's /proc")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runtime.start keeps freed memory on a CPU run")
+def test_a_cpu_run_keeps_the_pages_it_frees():
+    """After runtime.start, a 256 MB tensor freed leaves its pages resident, and the next tensor
+    of its size takes its address (no page faulted in again); without the start (the control),
+    glibc unmaps it when it is freed."""
     probe = (
-        "import os, torch; from pathlib import Path; from systems import runtime; runtime.start()\n"
-        "x = torch.ones(16 * 2**20)\n"
-        "lines, inside = Path('/proc/self/smaps').read_text().splitlines(), False\n"
-        "for line in lines:\n"
-        "    fields = line.split()\n"
-        "    if '-' in fields[0] and not fields[0].endswith(':'):\n"
-        "        low, high = (int(v, 16) for v in fields[0].split('-'))\n"
-        "        inside = low <= x.data_ptr() < high\n"
-        "    elif inside and fields[0] == 'THPeligible:':\n"
-        "        print(fields[1])\n")
+        "import os, sys, torch; from systems import runtime\n"
+        "if sys.argv[1] == 'start':\n"
+        "    runtime.start()\n"
+        "page = os.sysconf('SC_PAGE_SIZE')\n"
+        "resident = lambda: int(open('/proc/self/statm').read().split()[1]) * page\n"
+        "x = torch.ones(64 * 2**20)\n"
+        "before, address = resident(), x.data_ptr()\n"
+        "del x\n"
+        "after = resident()\n"
+        "print(before - after, torch.ones(64 * 2**20).data_ptr() == address)\n")
 
-    def eligible(env):
-        result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, check=True,
+    def freed_bytes_and_same_address(how):
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        result = subprocess.run([sys.executable, "-c", probe, how], cwd=ROOT, env=env, check=True,
                                 capture_output=True, text=True)
-        return result.stdout.split() == ["1"]
+        freed, same = result.stdout.split()
+        return int(freed), same == "True"
 
-    base = {key: value for key, value in os.environ.items() if key != "THP_MEM_ALLOC_ENABLE"}
-    base["PYTHONPATH"] = str(ROOT)
-    assert eligible(base)
-    if "[madvise]" in THP_MODE.read_text():
-        assert not eligible({**base, "THP_MEM_ALLOC_ENABLE": "0"})
+    freed, same_address = freed_bytes_and_same_address("start")
+    assert freed < 16 * 2**20 and same_address
+    freed, _ = freed_bytes_and_same_address("no-start")
+    assert freed > 200 * 2**20

@@ -3,12 +3,13 @@ default batch (8 arith prompts x 4 SmolLM2 samples, the shared-prefix pack train
 torch.profiler's self CPU time by op, the no-grad pass and the gradient pass's forward (each run
 once before, to warm up). Its printed tables: attention_share.txt.
 `python studies/cpu-step/attention_share.py`."""
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from systems import runtime  # noqa: E402
-runtime.huge_pages_for_cpu_tensors()
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # what runtime.start did at that code
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 import data, logprobs, rollout  # noqa: E402,E401

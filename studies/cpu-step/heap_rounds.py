@@ -7,6 +7,7 @@ and trim thresholds. Its printed lines (peak: ru_maxrss's KiB / 1e6), from the s
 `python studies/cpu-step/heap_rounds.py trim|notrim|keep`."""
 import ctypes
 import resource
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ if variant == "keep":
     M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
     libc.mallopt(M_MMAP_THRESHOLD, 1 << 30), libc.mallopt(M_TRIM_THRESHOLD, 1 << 40)
 from systems import runtime  # noqa: E402
-runtime.huge_pages_for_cpu_tensors()
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # what runtime.start did at that code
 import torch  # noqa: E402
 import data, logprobs, rollout  # noqa: E402,E401
 from systems import model as models  # noqa: E402

@@ -246,8 +246,12 @@ def keep_freed_memory():
     and each step allocate the same shapes, so the blocks freed are the next ones' and no page is
     faulted in twice: before, the tied embedding's gradient (113 MB) and its zeros took ~0.9 s
     and ~0.8 s a micro-batch in fresh pages on a 2-core AVX2 CPU (docs/benchmarks.md, "Every
-    freed block kept"). A no-op without glibc; a GPU run's host memory is left alone."""
-    if _libc is not None:
+    freed block kept"). A no-op without glibc, and where the environment sets glibc's allocator
+    (a MALLOC_*_ variable or GLIBC_TUNABLES: lab/memory_plan.py --measure gives each tensor pages of
+    its own); a GPU run's host memory is left alone."""
+    told = any(name.startswith("MALLOC_") for name in os.environ) or (
+        "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""))
+    if _libc is not None and not told:
         _libc.mallopt(M_MMAP_MAX, 0)
         _libc.mallopt(M_TRIM_THRESHOLD, -1)
 

@@ -148,3 +148,7 @@ if __name__ == "__main__":
             pairs(file)
     if (HERE / "twenty_steps_peaks.json").exists():  # machine A
         twenty_steps()
+    for file in ("bench_step_prefix_attention.json", "bench_step_freed_kept.json",
+                 "bench_step_09486f1_freed_kept.json"):
+        if (HERE / file).exists():  # machine A, 2026-12-03 (third session)
+            pairs(file)

@@ -384,11 +384,16 @@ def test_two_steps_single_process(tiny, two_steps):
 def test_the_loop_never_gives_the_heap_back(tiny, tmp_path):
     """No malloc_trim inside train.main: a trim between steps made each gradient pass fault its
     pages in again (its forward up to 2x slower on a 2-core CPU, the peak no lower:
-    docs/benchmarks.md, "The heap kept across steps")."""
-    trims = []  # each malloc_trim's argument
-    libc = types.SimpleNamespace(malloc_trim=trims.append)
+    docs/benchmarks.md, "The heap kept across steps"); and runtime.start has glibc keep every
+    freed block ("Every freed block kept"; tests/test_memory_pages.py checks what that does)."""
+    from systems import runtime
+
+    trims, settings = [], []  # each malloc_trim's argument, each mallopt's (parameter, value)
+    libc = types.SimpleNamespace(malloc_trim=trims.append,
+                                 mallopt=lambda *setting: settings.append(setting))
     train(flags(tiny, tmp_path, "--steps", "2"), systems__runtime___libc=libc)
     assert trims == []
+    assert settings == [(runtime.M_MMAP_MAX, 0), (runtime.M_TRIM_THRESHOLD, -1)]
 
 
 def test_reference_never_changes(tiny, two_steps):

@@ -249,9 +249,9 @@ def keep_freed_memory():
     freed block kept"). A no-op without glibc, and where the environment sets glibc's allocator
     (a MALLOC_*_ variable or GLIBC_TUNABLES: lab/memory_plan.py --measure gives each tensor pages of
     its own); a GPU run's host memory is left alone."""
-    told = any(name.startswith("MALLOC_") for name in os.environ) or (
+    set_by_environment = any(name.startswith("MALLOC_") for name in os.environ) or (
         "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""))
-    if _libc is not None and not told:
+    if _libc is not None and not set_by_environment:
         _libc.mallopt(M_MMAP_MAX, 0)
         _libc.mallopt(M_TRIM_THRESHOLD, -1)
 

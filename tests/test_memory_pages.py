@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.skipif(runtime._libc is None or not Path("/proc/self/statm").exists(),
                     reason="needs glibc and Linux's /proc")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="runtime.start keeps freed memory on a CPU run")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="runtime.start keeps freed memory on a CPU run only")
 def test_a_cpu_run_keeps_the_pages_it_frees():
     """After runtime.start, a 256 MB tensor freed leaves its pages resident, and the next tensor
     of its size takes its address (no page faulted in again); without the start (the control),

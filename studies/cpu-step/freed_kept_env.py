@@ -1,10 +1,11 @@
-"""One-off (machine A, 2026-12-03, third session, at e4130b8's code): the default run, 4 steps, under
-glibc's environment variables, one run a variant in the order given (ABCBA was run): A as it was,
-B every block from the heap and never trimmed (what runtime.keep_freed_memory now sets), C that and
-no huge pages. Its printed lines (variant, median step, sample, train, peak GB, each step's
+"""One-off (machine A, 2026-12-03, third session, at e4130b8's code): the default run, 4 steps,
+under glibc's environment variables, one run a variant in the order given (ABCBA was run): A as it
+was, B every block from the heap and never trimmed, C that and no huge pages (what runtime.start
+now sets itself). Its printed lines (variant, median step, sample, train, peak GB, each step's
 seconds, kl_k1): freed_kept_env.txt (the last A ran beside a 23 s test).
-`python studies/cpu-step/freed_kept_env.py ABCBA` (the code it runs is the checkout's: at 46761d8
-on, runtime.start sets B itself, unless a MALLOC_ variable is set, as A's are not)."""
+`python studies/cpu-step/freed_kept_env.py ABCBA` runs the checkout's code: from 6828d36 on, A is
+what C was (start's own settings), and B and C keep their variables (start leaves glibc as the
+environment sets it)."""
 import os
 import sys
 import tempfile

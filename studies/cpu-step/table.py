@@ -152,3 +152,7 @@ if __name__ == "__main__":
                  "bench_step_09486f1_freed_kept.json"):
         if (HERE / file).exists():  # machine A, 2026-12-03 (third session)
             pairs(file)
+    if (HERE / "floor_2d531f1_b.json").exists():  # machine B, 2026-12-03 (fourth session)
+        floor("floor_2d531f1_b.json")
+        pairs("bench_step_09486f1_b.json")
+        against_trl("bench_trl_2d531f1_b.json")

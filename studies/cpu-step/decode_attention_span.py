@@ -3,9 +3,11 @@ read only its own slots past the shared prompt, the bound on reading the prompt'
 rows. SDPA as rollout.sdpa_attention calls it (SmolLM2-135M's 3 K/V heads of 64, 3 query heads
 each, 32 rows of one new token, the additive mask), over random caches of 30 layers (read as a
 step reads them, one layer after another), at the spans of bench_llamacpp's shape: 213 slots (the
-173-token prompt and 40 new tokens) and 40 (the new tokens alone). Median of 5 rounds of 100 calls,
-alternated. Its printed lines: decode_attention_span.txt.
-`python studies/cpu-step/decode_attention_span.py`."""
+173-token prompt and 40 new tokens) and 40 (the new tokens alone). Each span timed twice, the two
+alternated, each time the median of 5 rounds of 100 calls; printed: the median of the two. Its
+printed lines: decode_attention_span.txt. No prediction: a bound, read by the doc, decides nothing.
+`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python
+studies/cpu-step/decode_attention_span.py`."""
 import statistics
 import time
 
@@ -39,5 +41,6 @@ for _ in range(2):
     for span in results:
         results[span].append(per_call_ms(span))
 for span, ms in results.items():
-    print(f"span {span}: {statistics.median(ms):.3f} ms a layer ({LAYERS * statistics.median(ms):.1f} "
-          f"ms a step), rounds' medians {', '.join(f'{m:.3f}' for m in ms)}")
+    layer_ms = statistics.median(ms)
+    print(f"span {span}: {layer_ms:.3f} ms a layer ({LAYERS * layer_ms:.1f} ms a step), rounds' "
+          f"medians {', '.join(f'{m:.3f}' for m in ms)}")

@@ -2,8 +2,10 @@
 bench_llamacpp's shape (SmolLM2-135M-Instruct fp32, 32 rows of one 173-token prompt, EOS off, the
 sampler train.py uses on a CPU, glibc's heap kept as runtime.start keeps it), torch.profiler's
 self CPU time by op over one generate call of 40 new tokens (one call before, to warm up), and
-the decode step's mean. Its printed tables: decode_profile.txt.
-`python studies/cpu-step/decode_profile.py`."""
+a decode step's time (the best of 3 calls of 40 tokens, less the best of 3 of 1). Its printed
+tables: decode_profile.txt. No prediction: it describes, decides nothing.
+`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 python
+studies/cpu-step/decode_profile.py`."""
 import sys
 import time
 from pathlib import Path

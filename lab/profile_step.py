@@ -21,12 +21,24 @@ included; elementwise work left out; counting slows a run, so the times come fro
 a phase's floor is its FLOPs at this machine's GEMM rate (one 2048^3 GEMM in the run's dtype and
 threads, the best of 5) and its share the floor over its measured seconds.
 
+`--kernels` (with --flops) asks what this machine's kernels allow: the counting run also records
+each phase's counted calls (their ops and their arguments' shapes, strides and dtypes), and each
+step's calls are then run again alone, back to back, on random tensors of those layouts (one
+buffer for each storage the run used, so a weight read by 30 steps is one tensor, read from memory
+as in the run). A phase's kernels alone, with nothing between them, bound what the same kernels
+allow: its floor over their seconds is the share of the floor it could reach with no other work in
+the step (each replay the faster of two; the GEMM rate measured again before each step's replay,
+the fastest of all used for every floor, since this machine's speed drifts from minute to minute).
+
     python -m lab.profile_step --out /tmp/profile.json               # 4 steps of the default run
     python -m lab.profile_step --steps 3 -- --kl k3 --place loss     # another configuration
     python -m lab.profile_step --flops -- --kl k1 --place reward --dtype float32
+    python -m lab.profile_step --flops --kernels --out /tmp/kernels.json
 """
 import argparse
 import collections
+import contextlib
+import dataclasses
 import functools
 import json
 import platform
@@ -36,6 +48,8 @@ from pathlib import Path
 
 import torch
 from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 import logprobs
 import rollout
@@ -44,7 +58,10 @@ from systems import optim, runtime
 
 TIMES = collections.defaultdict(float)  # phase -> seconds in the current step
 FLOPS = collections.defaultdict(float)  # phase -> matmul FLOPs in the current step (--flops' run)
-COUNTING = {"on": False}  # --flops' second run: count FLOPs instead of timing
+COUNTING = {"on": False, "kernels": False}  # --flops' second run: count FLOPs instead of timing
+CALLS = collections.defaultdict(list)  # phase -> its counted kernels' calls this step (--kernels)
+ENTRIES = collections.Counter()  # phase -> its function's calls this step (--kernels)
+RECORDED = []  # --kernels: each step's (CALLS, ENTRIES)
 # the CPU's fused attention kernels, which torch's flop counter has no formula for (it would count 0)
 # (each formula is given the arguments' shapes)
 ATTENTION_FLOPS = {
@@ -64,8 +81,11 @@ def timed(module, name, phase_of):
     def wrapper(*args, **kwargs):
         phase = phase_of(*args, **kwargs)
         if COUNTING["on"] and phase:
+            recording = COUNTING["kernels"] and phase in FLOP_PHASES
+            ENTRIES[phase] += recording
+            recorder = KernelRecorder(CALLS[phase]) if recording else contextlib.nullcontext()
             with flop_counter.FlopCounterMode(display=False,
-                                              custom_mapping=ATTENTION_FLOPS) as counter:
+                                              custom_mapping=ATTENTION_FLOPS) as counter, recorder:
                 result = original(*args, **kwargs)
             FLOPS[phase] += counter.get_total_flops()
             return result
@@ -77,6 +97,85 @@ def timed(module, name, phase_of):
                 TIMES[phase] += time.perf_counter() - start
     setattr(module, name, wrapper)
     return original
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """A recorded tensor argument: its layout, and the storage it viewed (by address)."""
+    shape: tuple
+    stride: tuple
+    offset: int
+    dtype: torch.dtype
+    storage: int
+
+    @classmethod
+    def of(cls, tensor):
+        return cls(tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), tensor.dtype,
+                   tensor.untyped_storage().data_ptr())
+
+    def elements(self):
+        """The storage elements the view reaches, from the storage's start."""
+        if 0 in self.shape:
+            return self.offset
+        return self.offset + 1 + sum((size - 1) * step for size, step in zip(self.shape, self.stride))
+
+
+# the ops the floor counts: torch's flop formulas' and the CPU's attention kernels
+COUNTED_OPS = set(flop_counter.flop_registry) | set(ATTENTION_FLOPS)
+
+
+class KernelRecorder(TorchDispatchMode):
+    """Appends each counted op's call to `calls` as (op, args, kwargs), its tensors TensorSpecs."""
+
+    def __init__(self, calls):
+        super().__init__()
+        self.calls = calls
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket in COUNTED_OPS:
+            self.calls.append((func, *tree_map_only(torch.Tensor, TensorSpec.of, (args, kwargs))))
+        return func(*args, **kwargs)
+
+
+def replayable(calls):
+    """The recorded calls on random tensors of their layouts: one buffer for each (storage,
+    dtype) the calls read, so calls that shared a tensor (a layer's weight, the KV cache) share
+    one here."""
+    specs = [spec for call in calls for spec in tensor_specs(call)]
+    sizes = collections.defaultdict(int)
+    for spec in specs:
+        sizes[spec.storage, spec.dtype] = max(sizes[spec.storage, spec.dtype], spec.elements())
+    buffers = {(storage, dtype): (torch.randn(size, dtype=dtype) if dtype.is_floating_point
+                                  else torch.zeros(size, dtype=dtype))
+               for (storage, dtype), size in sizes.items()}
+
+    def view(spec):
+        return buffers[spec.storage, spec.dtype].as_strided(spec.shape, spec.stride, spec.offset)
+    return [(func, *tree_map_only(TensorSpec, view, (args, kwargs))) for func, args, kwargs in calls]
+
+
+def tensor_specs(call):
+    """A recorded call's TensorSpecs, in argument order."""
+    found = []
+    tree_map_only(TensorSpec, found.append, call[1:])
+    return found
+
+
+@torch.no_grad()
+def replay_seconds(calls, repeats=2):
+    """Wall seconds of the recorded calls run back to back (replayable's tensors, made first), by
+    op ({op name: seconds}), the fastest of `repeats` runs: the first reads inputs the run had just
+    written from memory, not from cache, and pays the kernels' first calls."""
+    ready, runs = replayable(calls), []
+    for _ in range(repeats):
+        seconds = collections.defaultdict(float)
+        for func, args, kwargs in ready:
+            start = time.perf_counter()
+            func(*args, **kwargs)
+            seconds[func.overloadpacket.__name__] += time.perf_counter() - start
+        runs.append(dict(seconds))
+    return min(runs, key=lambda by_op: sum(by_op.values()))
 
 
 def install(policy_ids, dtypes):
@@ -116,6 +215,8 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="write the figures here as JSON")
     parser.add_argument("--flops", action="store_true",
                         help="a second run counts each phase's FLOPs: the floor and its share")
+    parser.add_argument("--kernels", action="store_true",
+                        help="with --flops: each phase's counted kernels run again alone, timed")
     parser.add_argument("train_args", nargs="*", help="train.py's flags after --")
     args = parser.parse_args(argv)
     train_args = args.train_args or ["--kl", "k1", "--place", "reward"]
@@ -131,16 +232,22 @@ def main(argv=None):
     for phase, seconds in summary.items():
         print(f"{phase:36s} {seconds:8.2f}")
     if args.flops:
-        COUNTING["on"] = True
+        COUNTING.update(on=True, kernels=args.kernels)
         flop_steps = run(train_args, args.steps, FLOPS)
         (dtype,) = dtypes
         result.update(flops_per_step=flop_steps, gemm_dtype=str(dtype),
                       gemm_flops_per_s=gemm_rate(dtype), **floors(per_step, flop_steps))
+        if args.kernels:  # the rate measured again before each step's replay: the fastest is used
+            result.update(kernels_alone(RECORDED, flop_steps, dtype))
+            result["gemm_flops_per_s"] = max(result["gemm_rates"] + [result["gemm_flops_per_s"]])
+            print(f"the replayed kernels' FLOPs equal the count's: {result['replay_counted']}")
         print(f"GEMM rate {result['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s ({dtype}); same "
               f"samples in both runs: {result['same_samples']}")
         for phase, row in floor_table(result).items():
             print(f"{phase:36s} {row['gflop']:8.1f} GFLOP  floor {row['floor_s']:6.2f} s  "
-                  f"measured {row['seconds']:6.2f} s  share {row['share']:.3f}")
+                  f"measured {row['seconds']:6.2f} s  share {row['share']:.3f}"
+                  + (f"  kernels alone {row['kernels_s']:6.2f} s  their share "
+                     f"{row['kernels_share']:.3f}" if "kernels_s" in row else ""))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return result
@@ -158,8 +265,12 @@ def run(train_args, steps, counts):
         per_step.append({"step": row["step"], "sample_s": row["sample_s"],
                          "train_s": row["train_s"], **counts,
                          "response_len": row["response_len"], "kl_k1": row.get("kl_k1")})
+        if COUNTING["kernels"]:
+            RECORDED.append((dict(CALLS), dict(ENTRIES)))
         TIMES.clear()
         FLOPS.clear()
+        CALLS.clear()
+        ENTRIES.clear()
     train.checkpoint.log_row = log_row
     try:
         with tempfile.TemporaryDirectory() as out:
@@ -200,6 +311,38 @@ FLOP_PHASES = ("sampling: prefill", "sampling: decode forward", "sampling: decod
                "update: gradient pass forward", "update: backward", "update: refresh sampler")
 
 
+def kernels_alone(recorded, flop_steps, dtype):
+    """Each step's phases' recorded kernels replayed alone (the steps after the first, as the
+    times): their mean seconds a step, by op, and the phases' calls a step (rollout.decode's: the
+    decode steps); the GEMM rate before each step's replay (this machine's speed drifts); and
+    whether the last step's replay counts the FLOPs its run counted (no counted call missed by the
+    recorder)."""
+    recorded = recorded[1:] or recorded
+    steps, rates = [], []
+    for step, _ in recorded:
+        rates.append(gemm_rate(dtype))
+        steps.append({phase: replay_seconds(calls) for phase, calls in step.items()})
+    replayed = {}
+    for phase, calls in recorded[-1][0].items():
+        with flop_counter.FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS) as counter:
+            replay_seconds(calls, repeats=1)
+        replayed[phase] = counter.get_total_flops()
+    ops = sorted({op for step in steps for by_op in step.values() for op in by_op})
+
+    def mean(values):
+        return sum(values) / len(recorded)
+    return {"kernels_per_step": steps, "gemm_rates": rates,
+            "mean_kernels_after_first": {phase: mean(sum(step.get(phase, {}).values())
+                                                     for step in steps) for phase in FLOP_PHASES},
+            "mean_kernels_by_op": {phase: {op: mean(step.get(phase, {}).get(op, 0.0)
+                                                    for step in steps) for op in ops}
+                                   for phase in FLOP_PHASES},
+            "mean_calls_after_first": {phase: mean(entries.get(phase, 0) for _, entries in recorded)
+                                       for phase in FLOP_PHASES},
+            "replay_counted": all(replayed.get(phase, 0) == flop_steps[-1].get(phase, 0)
+                                  for phase in FLOP_PHASES)}
+
+
 def floor_table(result):
     """{phase: gflop, floor_s, seconds, share} for each phase that runs FLOPs, and the step's (its
     phases' FLOPs summed, against the whole step's seconds)."""
@@ -208,8 +351,14 @@ def floor_table(result):
     rows = {phase: (flops[phase], seconds.get(phase, float("nan"))) for phase in FLOP_PHASES
             if flops.get(phase)}
     rows["step"] = (sum(f for f, _ in rows.values()), seconds["step"])
-    return {phase: {"gflop": f / 1e9, "floor_s": f / rate, "seconds": s, "share": f / rate / s}
-            for phase, (f, s) in rows.items()}
+    table = {phase: {"gflop": f / 1e9, "floor_s": f / rate, "seconds": s, "share": f / rate / s}
+             for phase, (f, s) in rows.items()}
+    kernels = result.get("mean_kernels_after_first")
+    if kernels:  # --kernels: the phases' kernels alone, and the share of the floor they reach
+        kernels = {**kernels, "step": sum(kernels[phase] for phase in rows if phase != "step")}
+        for phase, row in table.items():
+            row.update(kernels_s=kernels[phase], kernels_share=row["floor_s"] / kernels[phase])
+    return table
 
 
 def summarize(steps):

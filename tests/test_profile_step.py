@@ -1,12 +1,14 @@
 """lab/profile_step.py's FLOP count (`--flops`, the floor of issue 62): it counts the CPU's fused
 attention kernels, which torch's own counter scores 0, and one decode step's FLOPs are those of the
-model's arithmetic, counted by hand."""
+model's arithmetic, counted by hand. Its replay (`--kernels`): the recorded kernels run again with
+the run's layouts, shared tensors shared, and every counted FLOP replayed."""
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import rollout
 from lab import profile_step
+from lab.profile_step import TensorSpec
 
 
 def counted(fn, mapping=profile_step.ATTENTION_FLOPS):
@@ -43,3 +45,28 @@ def test_one_decode_step_counts_the_models_arithmetic(tiny_llama):
     attention = config.num_hidden_layers * 2 * 2 * rows * config.num_attention_heads * span \
         * head_dim
     assert flops == 2 * rows * weights + attention
+
+
+def test_the_recorded_kernels_replay_with_the_runs_layouts(tiny_llama):
+    model = tiny_llama(vocab_size=50, num_hidden_layers=3)
+    calls = []
+    with FlopCounterMode(display=False, custom_mapping=profile_step.ATTENTION_FLOPS) as counter, \
+            profile_step.KernelRecorder(calls):
+        model(torch.randint(0, 50, (2, 7))).logits.sum().backward()
+    ops = {func.overloadpacket for func, *_ in calls}
+    assert torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward in ops
+    # every counted FLOP is in a recorded call: the replay counts the run's count
+    assert counted(lambda: profile_step.replay_seconds(calls, repeats=1)) == \
+        counter.get_total_flops() > 0
+    specs = [spec for call in calls for spec in profile_step.tensor_specs(call)]
+    replayed = [tensor for call in profile_step.replayable(calls)
+                for tensor in profile_step.tensor_specs(
+                    (None, *profile_step.tree_map_only(torch.Tensor, TensorSpec.of, call[1:])))]
+    # each tensor with its recorded layout (a transposed weight stays transposed)...
+    assert [(s.shape, s.stride, s.offset, s.dtype) for s in replayed] == \
+        [(s.shape, s.stride, s.offset, s.dtype) for s in specs]
+    assert any(s.stride != torch.empty(s.shape).stride() for s in specs)
+    # ...and tensors the run shared (a weight read forward and backward) one buffer here
+    same_in_run = [(a.storage, a.dtype) == (b.storage, b.dtype) for a in specs for b in specs]
+    same_here = [(a.storage, a.dtype) == (b.storage, b.dtype) for a in replayed for b in replayed]
+    assert same_here == same_in_run and sum(same_in_run) > len(specs)

@@ -27,8 +27,9 @@ step's calls are then run again alone, back to back, on random tensors of those 
 buffer for each storage the run used, so a weight read by 30 steps is one tensor, read from memory
 as in the run). A phase's kernels alone, with nothing between them, bound what the same kernels
 allow: its floor over their seconds is the share of the floor it could reach with no other work in
-the step (each replay the faster of two; the GEMM rate measured again before each step's replay,
-the fastest of all used for every floor, since this machine's speed drifts from minute to minute).
+the step (each replay the fastest of --replays, 2 unless given; the GEMM rate measured again
+before and after each step's replay, the fastest of all used for every floor, since this machine's
+speed drifts from minute to minute).
 
     python -m lab.profile_step --out /tmp/profile.json               # 4 steps of the default run
     python -m lab.profile_step --steps 3 -- --kl k3 --place loss     # another configuration
@@ -217,6 +218,8 @@ def main(argv=None):
                         help="a second run counts each phase's FLOPs: the floor and its share")
     parser.add_argument("--kernels", action="store_true",
                         help="with --flops: each phase's counted kernels run again alone, timed")
+    parser.add_argument("--replays", type=int, default=2,
+                        help="--kernels: each phase's replay timed this many times, the fastest kept")
     parser.add_argument("train_args", nargs="*", help="train.py's flags after --")
     args = parser.parse_args(argv)
     train_args = args.train_args or ["--kl", "k1", "--place", "reward"]
@@ -238,7 +241,8 @@ def main(argv=None):
         result.update(flops_per_step=flop_steps, gemm_dtype=str(dtype),
                       gemm_flops_per_s=gemm_rate(dtype), **floors(per_step, flop_steps))
         if args.kernels:  # the rate measured again before each step's replay: the fastest is used
-            result.update(kernels_alone(RECORDED, flop_steps, dtype))
+            result.update(kernels_alone(RECORDED, flop_steps, dtype, args.replays),
+                          replays=args.replays)
             result["gemm_flops_per_s"] = max(result["gemm_rates"] + [result["gemm_flops_per_s"]])
             print(f"the replayed kernels' FLOPs equal the count's: {result['replay_counted']}")
         print(f"GEMM rate {result['gemm_flops_per_s'] / 1e9:.1f} GFLOP/s ({dtype}); same "
@@ -311,17 +315,19 @@ FLOP_PHASES = ("sampling: prefill", "sampling: decode forward", "sampling: decod
                "update: gradient pass forward", "update: backward", "update: refresh sampler")
 
 
-def kernels_alone(recorded, flop_steps, dtype):
+def kernels_alone(recorded, flop_steps, dtype, replays=2):
     """Each step's phases' recorded kernels replayed alone (the steps after the first, as the
     times): their mean seconds a step, by op, and the phases' calls a step (rollout.decode's: the
-    decode steps); the GEMM rate before each step's replay (this machine's speed drifts); and
+    decode steps); the GEMM rate before and after each step's replay (this machine's speed
+    drifts); and
     whether the last step's replay counts the FLOPs its run counted (no counted call missed by the
-    recorder)."""
+    recorder). Each replay the fastest of `replays`."""
     recorded = recorded[1:] or recorded
     steps, rates = [], []
     for step, _ in recorded:
         rates.append(gemm_rate(dtype))
-        steps.append({phase: replay_seconds(calls) for phase, calls in step.items()})
+        steps.append({phase: replay_seconds(calls, replays) for phase, calls in step.items()})
+        rates.append(gemm_rate(dtype))
     replayed = {}
     for phase, calls in recorded[-1][0].items():
         with flop_counter.FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS) as counter:

@@ -103,6 +103,44 @@ def floor(file):
           f"the same samples in both runs: {result['same_samples']}")
 
 
+def kernels(file, llamacpp_file):
+    """The step against its floor and against its own kernels run alone (profile_step --kernels),
+    and decode's kernels a step against llama.cpp's F32 decode step (bench_llamacpp)."""
+    import sys
+    sys.path.insert(0, str(HERE.parents[1]))
+    from lab.profile_step import FLOP_PHASES, floor_table
+
+    result = json.loads((HERE / file).read_text())
+    table = floor_table(result)
+    print()
+    markdown(["phase (a step, mean of steps 2-4)", "GFLOP", "floor, s", "measured, s",
+              "kernels alone, s", "share of the floor: measured", "kernels alone"],
+             [[phase, f"{row['gflop']:.1f}", f"{row['floor_s']:.2f}", f"{row['seconds']:.2f}",
+               f"{row['kernels_s']:.2f}", f"{row['share']:.3f}", f"{row['kernels_share']:.3f}"]
+              for phase, row in table.items()])
+    rate = result["gemm_flops_per_s"]
+    # each replayed step (the steps after the first) against its own FLOPs
+    each = [sum(step_flops.get(phase, 0.0) for phase in FLOP_PHASES) / rate
+            / sum(sum(by_op.values()) for by_op in step.values())
+            for step, step_flops in zip(result["kernels_per_step"], result["flops_per_step"][1:])]
+    print(f"\nGEMM rate {rate / 1e9:.1f} GFLOP/s, the fastest of "
+          f"{', '.join(f'{r / 1e9:.1f}' for r in [*result['gemm_rates']])} (around the replays) "
+          f"and the counting run's; the replay counts the run's FLOPs: {result['replay_counted']}; "
+          f"the step's kernels' share, step by step: {', '.join(f'{x:.3f}' for x in each)}")
+    decode = "sampling: decode forward"
+    steps = result["mean_calls_after_first"][decode]
+    by_op = result["mean_kernels_by_op"][decode]
+    gemm = sum(seconds for op, seconds in by_op.items() if "attention" not in op)
+    attention = sum(seconds for op, seconds in by_op.items() if "attention" in op)
+    llamacpp = json.loads((HERE / llamacpp_file).read_text())
+    theirs = llamacpp["rows"] / llamacpp["runs"]["llama.cpp F32"]["decode_tokens_per_s"]
+    ours = llamacpp["rows"] / llamacpp["runs"]["ours fp32"]["decode_tokens_per_s"]
+    print(f"decode, a step ({steps:.1f} steps a training step): its GEMMs alone "
+          f"{gemm / steps * 1e3:.1f} ms, its attention alone {attention / steps * 1e3:.1f} ms, "
+          f"measured {table[decode]['seconds'] / steps * 1e3:.1f} ms; at bench_llamacpp's shape "
+          f"ours {ours * 1e3:.1f} ms, llama.cpp F32 {theirs * 1e3:.1f} ms")
+
+
 def twenty_steps():
     """The whole default run at two commits: minutes of steps, peak resident (GB, KiB * 1024 / 1e9
     as bench_step), the first step whose metrics differ."""
@@ -156,3 +194,7 @@ if __name__ == "__main__":
         floor("floor_2d531f1_b.json")
         pairs("bench_step_09486f1_b.json")
         against_trl("bench_trl_2d531f1_b.json")
+    if (HERE / "kernels_b.json").exists():  # machine B, 2026-12-04 (fifth session)
+        kernels("kernels_b.json", "decode_llamacpp_avx2_kernels_b.json")
+    if (HERE / "kernels_b_replays5.json").exists():  # the same, each replay the best of 5
+        kernels("kernels_b_replays5.json", "decode_llamacpp_avx2_kernels_b.json")

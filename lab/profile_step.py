@@ -118,7 +118,8 @@ class TensorSpec:
         """The storage elements the view reaches, from the storage's start."""
         if 0 in self.shape:
             return self.offset
-        return self.offset + 1 + sum((size - 1) * step for size, step in zip(self.shape, self.stride))
+        reach = sum((size - 1) * step for size, step in zip(self.shape, self.stride))
+        return self.offset + 1 + reach
 
 
 # the ops the floor counts: torch's flop formulas' and the CPU's attention kernels
@@ -153,7 +154,8 @@ def replayable(calls):
 
     def view(spec):
         return buffers[spec.storage, spec.dtype].as_strided(spec.shape, spec.stride, spec.offset)
-    return [(func, *tree_map_only(TensorSpec, view, (args, kwargs))) for func, args, kwargs in calls]
+    return [(func, *tree_map_only(TensorSpec, view, (args, kwargs)))
+            for func, args, kwargs in calls]
 
 
 def tensor_specs(call):
@@ -166,8 +168,8 @@ def tensor_specs(call):
 @torch.no_grad()
 def replay_seconds(calls, repeats=2):
     """Wall seconds of the recorded calls run back to back (replayable's tensors, made first), by
-    op ({op name: seconds}), the fastest of `repeats` runs: the first reads inputs the run had just
-    written from memory, not from cache, and pays the kernels' first calls."""
+    op ({op name: seconds}), the fastest of `repeats` runs: the first reads from memory inputs the
+    step had just written into cache, and pays the kernels' first calls."""
     ready, runs = replayable(calls), []
     for _ in range(repeats):
         seconds = collections.defaultdict(float)
@@ -219,7 +221,7 @@ def main(argv=None):
     parser.add_argument("--kernels", action="store_true",
                         help="with --flops: each phase's counted kernels run again alone, timed")
     parser.add_argument("--replays", type=int, default=2,
-                        help="--kernels: each phase's replay timed this many times, the fastest kept")
+                        help="--kernels: each replay timed this many times, the fastest kept")
     parser.add_argument("train_args", nargs="*", help="train.py's flags after --")
     args = parser.parse_args(argv)
     train_args = args.train_args or ["--kl", "k1", "--place", "reward"]
@@ -240,7 +242,7 @@ def main(argv=None):
         (dtype,) = dtypes
         result.update(flops_per_step=flop_steps, gemm_dtype=str(dtype),
                       gemm_flops_per_s=gemm_rate(dtype), **floors(per_step, flop_steps))
-        if args.kernels:  # the rate measured again before each step's replay: the fastest is used
+        if args.kernels:  # the rate measured again around each step's replay: the fastest is used
             result.update(kernels_alone(RECORDED, flop_steps, dtype, args.replays),
                           replays=args.replays)
             result["gemm_flops_per_s"] = max(result["gemm_rates"] + [result["gemm_flops_per_s"]])
@@ -319,9 +321,8 @@ def kernels_alone(recorded, flop_steps, dtype, replays=2):
     """Each step's phases' recorded kernels replayed alone (the steps after the first, as the
     times): their mean seconds a step, by op, and the phases' calls a step (rollout.decode's: the
     decode steps); the GEMM rate before and after each step's replay (this machine's speed
-    drifts); and
-    whether the last step's replay counts the FLOPs its run counted (no counted call missed by the
-    recorder). Each replay the fastest of `replays`."""
+    drifts); and whether the last step's replay counts the FLOPs its run counted (no counted call
+    missed by the recorder). Each replay the fastest of `replays`."""
     recorded = recorded[1:] or recorded
     steps, rates = [], []
     for step, _ in recorded:

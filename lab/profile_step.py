@@ -82,9 +82,10 @@ def timed(module, name, phase_of):
     def wrapper(*args, **kwargs):
         phase = phase_of(*args, **kwargs)
         if COUNTING["on"] and phase:
-            recording = COUNTING["kernels"] and phase in FLOP_PHASES
-            ENTRIES[phase] += recording
-            recorder = KernelRecorder(CALLS[phase]) if recording else contextlib.nullcontext()
+            recorder = contextlib.nullcontext()
+            if COUNTING["kernels"] and phase in FLOP_PHASES:
+                ENTRIES[phase] += 1
+                recorder = KernelRecorder(CALLS[phase])
             with flop_counter.FlopCounterMode(display=False,
                                               custom_mapping=ATTENTION_FLOPS) as counter, recorder:
                 result = original(*args, **kwargs)
@@ -102,7 +103,8 @@ def timed(module, name, phase_of):
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """A recorded tensor argument: its layout, and the storage it viewed (by address)."""
+    """A recorded tensor argument: its layout, and the storage it viewed (by address). A
+    dataclass, not a namedtuple: tree_map_only must take it as one leaf, not a tuple to open."""
     shape: tuple
     stride: tuple
     offset: int
